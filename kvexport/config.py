@@ -1,0 +1,96 @@
+"""The canonical decoder's configuration: every family is expressed as one of these."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+NormKind = Literal["rms", "layer"]
+PositionKind = Literal["rope", "learned"]
+MlpKind = Literal["gated", "plain"]
+Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
+RopeType = Literal["default", "linear", "llama3"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: RopeType = "default"
+    factor: float = 1.0
+    # llama3 scaling
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Field names follow Hugging Face where one exists (`num_key_value_heads`, `head_dim`)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_kind: NormKind = "rms"
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0  # Gemma-style (1 + w) scale, folded into the weight at load
+    position_kind: PositionKind = "rope"
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    rotary_dim: int = 0  # 0 means the whole head_dim
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    mlp_kind: MlpKind = "gated"
+    activation: Activation = "silu"
+    tie_word_embeddings: bool = False
+    parallel_residual: bool = False
+    sliding_window: int | None = None
+    final_logit_softcap: float | None = None
+    embedding_scale: float | None = None
+    attention_scale: float | None = None  # None: 1/sqrt(head_dim)
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def effective_rotary_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_id"] = list(self.eos_token_id)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DecoderConfig:
+        d = dict(d)
+        d["rope"] = RopeConfig(**d.get("rope", {}))
+        d["eos_token_id"] = tuple(d.get("eos_token_id", ()))
+        return cls(**d)
+
+    def num_parameters(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        mlp = (3 if self.mlp_kind == "gated" else 2) * h * i
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        if self.position_kind == "learned":
+            emb += self.max_position_embeddings * h
+        return self.num_hidden_layers * (attn + mlp) + emb

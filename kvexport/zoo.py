@@ -1,0 +1,175 @@
+"""Seeded random-init Hugging Face checkpoints, written without network or `transformers`.
+
+Tiny configs of every registered family (tests), `bench-125m` (benchmarks) and the embedded
+default model (`kvexport build` with no MODEL_DIR), each with a byte-level tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from kvexport.architectures import get_arch, map_config
+from kvexport.checkpoint import INDEX_FILE, canonical_to_hf
+from kvexport.config import DecoderConfig
+from kvexport.decoder import Decoder
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+SPECIALS = (PAD, BOS, EOS)  # ids 0, 1, 2; bytes follow at 3..258
+BYTE_VOCAB = len(SPECIALS) + 256
+
+_LLAMA_TINY: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5,
+    hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+# One tiny config per registered family (the meta-test fails when a family lacks one).
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {**_LLAMA_TINY, "model_type": "llama",
+              "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 32}},
+    "mistral": {**_LLAMA_TINY, "model_type": "mistral", "sliding_window": 24,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "qwen2": {**_LLAMA_TINY, "model_type": "qwen2", "tie_word_embeddings": True,
+              "use_sliding_window": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": None,
+             "n_positions": 256, "vocab_size": 320, "activation_function": "gelu_new",
+             "layer_norm_epsilon": 1e-5, "bos_token_id": 1, "eos_token_id": 2},
+}
+
+BENCH_125M: dict[str, Any] = {
+    "model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+    "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+# The embedded default: small enough to build in seconds, large enough to be a real decoder.
+DEFAULT_MODEL: dict[str, Any] = {
+    **_LLAMA_TINY, "model_type": "llama", "hidden_size": 128, "intermediate_size": 352,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "max_position_embeddings": 1024, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+NAMED_MODELS: dict[str, dict[str, Any]] = {
+    "bench-125m": BENCH_125M,
+    "default": DEFAULT_MODEL,
+    **{f"tiny-{k}": v for k, v in TINY_CONFIGS.items()},
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenizers use)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def write_byte_tokenizer(out_dir: Path) -> None:
+    """tokenizer.json: one token per byte (ids 3..258) plus <pad>=0, <s>=1, </s>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    b2u = _bytes_to_unicode()
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    vocab.update({b2u[b]: len(SPECIALS) + b for b in range(256)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+         "model_max_length": 1 << 20}, indent=2))
+
+
+def _split_sizes(cfg: DecoderConfig, canonical: str, n: int) -> list[int]:
+    if n == 1:
+        return [-1]
+    if ".qkv_proj." in canonical:
+        return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    if ".gate_up_proj." in canonical:
+        return [cfg.intermediate_size] * 2
+    raise AssertionError(f"no split rule for {canonical}")
+
+
+def random_decoder(cfg: DecoderConfig, seed: int) -> Decoder:
+    """Seeded init scaled 1/sqrt(fan_in) so that activations and logits are O(1), not near-uniform."""
+    g = torch.Generator().manual_seed(seed)
+    dec = Decoder(cfg, max_seq=1)
+    for name, p in dec.named_parameters():
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+    return dec
+
+
+def write_checkpoint(hf_config: dict[str, Any], out_dir: str | Path, *, seed: int = 0,
+                     dtype: torch.dtype = torch.float32, shard_bytes: int | None = None) -> Path:
+    """Write a seeded random checkpoint folder that `transformers` and kvexport both load."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = map_config(hf_config)
+    wm = get_arch(cfg.model_type).weights
+    tensors: dict[str, torch.Tensor] = {}
+    for canonical, p in random_decoder(cfg, seed).named_parameters():
+        sources = canonical_to_hf(wm, canonical)
+        for hf_name, part in zip(sources, p.detach().split(_split_sizes(cfg, canonical, len(sources)), dim=0)
+                                 if len(sources) > 1 else [p.detach()]):
+            part = part.t() if wm.transposes(canonical) else part
+            tensors[wm.prefixes[0] + hf_name] = part.contiguous().to(dtype)
+    _save_tensors(tensors, out, shard_bytes)
+    cfg_out = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch."), "architectures": None}
+    (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
+    write_byte_tokenizer(out)
+    return out
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], out: Path, shard_bytes: int | None) -> None:
+    if shard_bytes is None:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def write_named(name: str, out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write one of NAMED_MODELS (`bench-125m`, `default`, `tiny-llama`, ...)."""
+    if name not in NAMED_MODELS:
+        from kvexport.errors import InputError
+
+        raise InputError(f"unknown model name {name!r}; choose one of {', '.join(sorted(NAMED_MODELS))}")
+    return write_checkpoint(NAMED_MODELS[name], out_dir, seed=seed)
