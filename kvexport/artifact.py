@@ -1,0 +1,145 @@
+"""Artifact folders (`NAME.kvx/`): writing the IR into one, hashing its files, checking them on load."""
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import kvexport
+from kvexport import manifest as mf
+from kvexport.checkpoint import TOKENIZER_FILES, Checkpoint, load_checkpoint, sha256_file
+from kvexport.decoder import CacheStyle
+from kvexport.errors import ArtifactError, InputError
+from kvexport.export import CACHE_LEN, OPSET, export_onnx, io_specs
+from kvexport.manifest import Manifest
+
+Progress = Callable[[str], None]
+VERIFY_FILE = "verify.json"
+UNHASHED = {mf.MANIFEST_FILE, mf.MANIFEST_FILE + ".tmp"}
+
+
+def hash_tree(folder: Path) -> dict[str, str]:
+    """sha256 of every file under folder (relative posix paths), manifest excluded."""
+    return {
+        p.relative_to(folder).as_posix(): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.relative_to(folder).as_posix() not in UNHASHED
+    }
+
+
+def check_integrity(folder: Path, manifest: Manifest) -> None:
+    """Every file the manifest lists exists with its sha256; names the first that does not."""
+    for rel, digest in manifest.raw["files"].items():
+        path = folder / rel
+        if not path.is_file():
+            raise ArtifactError(f"{path} is missing from the artifact; rebuild it with `kvexport build`")
+        if sha256_file(path) != digest:
+            raise ArtifactError(
+                f"{path} does not match the sha256 in manifest.json: the file was truncated or edited. "
+                "Rebuild the artifact with `kvexport build` (kvexport never loads a file that fails this check)."
+            )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def new_manifest(ck: Checkpoint, *, max_seq: int, cache_style: CacheStyle, last_token_only: bool,
+                 dtype: torch.dtype, tokenizer_files: list[str]) -> Manifest:
+    cfg = ck.config
+    ins, outs = io_specs(ck.decoder, cache_style, _dtype_name(dtype))
+    pairs = [
+        {"layer": i, "kind": kind, "input": f"past_key_values.{i}.{kind}", "output": f"present.{i}.{kind}"}
+        for i in range(cfg.num_hidden_layers) for kind in ("key", "value")
+    ]
+    raw = {
+        "schema_version": mf.SCHEMA_VERSION,
+        "kvexport_version": kvexport.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model": {
+            "family": cfg.model_type,
+            "name": ck.model_dir.name,
+            "config": cfg.to_dict(),
+            "num_parameters": cfg.num_parameters(),
+            "source_files": ck.source_hashes,
+        },
+        "ir": {"file": "model.onnx", "data_file": "model.onnx.data", "opset": OPSET,
+               "cache_style": cache_style, "last_token_only": last_token_only, "dtype": _dtype_name(dtype)},
+        "cache": {
+            "style": cache_style, "layout": "BHSD", "dtype": _dtype_name(dtype), "max_seq": max_seq,
+            "num_layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+            "capacity_dim": CACHE_LEN if cache_style == "static" else "total_seq",
+            "sliding_window": cfg.sliding_window, "quantization": None, "pairs": pairs,
+        },
+        "inputs": [s.to_dict() for s in ins],
+        "outputs": [s.to_dict() for s in outs],
+        "tokenizer": {
+            "files": tokenizer_files,
+            "bos_token_id": cfg.bos_token_id,
+            "eos_token_ids": list(cfg.eos_token_id),
+            "pad_token_id": cfg.pad_token_id,
+        },
+        "target": None,
+        "verification": None,
+        "files": {},
+    }
+    return Manifest(raw)
+
+
+def export_artifact(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    max_seq: int | None = None,
+    cache_style: CacheStyle = "static",
+    last_token_only: bool = True,
+    dtype: torch.dtype = torch.float32,
+    overwrite: bool = True,
+    progress: Progress | None = None,
+) -> Path:
+    """HF checkpoint folder -> artifact folder holding the IR, tokenizer and manifest (no engine yet)."""
+    say = progress or (lambda _m: None)
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise InputError(f"{out} exists; pass --force to replace it")
+    say(f"reading {model_dir}")
+    ck = load_checkpoint(model_dir, max_seq=max_seq)
+    max_seq = ck.decoder.max_seq
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    export_onnx(ck, tmp, cache_style=cache_style, last_token_only=last_token_only, dtype=dtype, progress=say)
+    tok_files = []
+    for name in TOKENIZER_FILES:
+        src = Path(model_dir) / name
+        if src.is_file():
+            shutil.copy2(src, tmp / name)
+            tok_files.append(name)
+    m = new_manifest(ck, max_seq=max_seq, cache_style=cache_style, last_token_only=last_token_only,
+                     dtype=dtype, tokenizer_files=tok_files)
+    finish(tmp, m)
+    # replace the old artifact only once the new one is complete: no data lost on failure
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    say(f"wrote {out}")
+    return out
+
+
+def finish(folder: Path, m: Manifest) -> None:
+    """Hash every file and write the manifest last."""
+    m.raw["files"] = hash_tree(folder)
+    m.write(folder)
+
+
+def open_artifact(path: str | Path, *, verify_hashes: bool = True) -> tuple[Path, Manifest]:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder} is not an artifact folder; make one with `kvexport build MODEL_DIR -o {folder}`")
+    m = mf.read(folder)
+    if verify_hashes:
+        check_integrity(folder, m)
+    return folder, m

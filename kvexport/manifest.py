@@ -1,0 +1,120 @@
+"""manifest.json: the one contract between frontend, backends and runtime (docs/manifest.md)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvexport.config import DecoderConfig
+from kvexport.errors import ManifestError
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+
+# Required keys and their JSON types, per section. Validation is explicit so that a bad
+# manifest fails with the field's name, not with a KeyError deep in a backend.
+_SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "": {"schema_version": int, "kvexport_version": str, "model": dict, "ir": dict, "cache": dict,
+         "inputs": list, "outputs": list, "tokenizer": dict, "files": dict},
+    "model": {"family": str, "name": str, "config": dict, "source_files": dict, "num_parameters": int},
+    "ir": {"file": str, "opset": int, "cache_style": str, "last_token_only": bool, "dtype": str},
+    "cache": {"style": str, "layout": str, "dtype": str, "max_seq": int, "num_layers": int,
+              "kv_heads": int, "head_dim": int, "capacity_dim": str, "pairs": list},
+    "tokenizer": {"files": list, "bos_token_id": (int, type(None)), "eos_token_ids": list,
+                  "pad_token_id": (int, type(None))},
+}
+_TARGET: dict[str, type | tuple[type, ...]] = {
+    "backend": str, "precision": str, "engine_files": list, "fingerprint": dict, "options": dict,
+}
+
+
+@dataclass
+class Manifest:
+    """Parsed manifest; `raw` is the JSON dict (kept whole so unknown optional fields survive)."""
+
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def config(self) -> DecoderConfig:
+        return DecoderConfig.from_dict(self.raw["model"]["config"])
+
+    @property
+    def cache(self) -> dict[str, Any]:
+        return self.raw["cache"]
+
+    @property
+    def max_seq(self) -> int:
+        return int(self.raw["cache"]["max_seq"])
+
+    @property
+    def target(self) -> dict[str, Any] | None:
+        return self.raw.get("target")
+
+    @property
+    def inputs(self) -> list[dict[str, Any]]:
+        return self.raw["inputs"]
+
+    @property
+    def outputs(self) -> list[dict[str, Any]]:
+        return self.raw["outputs"]
+
+    def kv_pairs(self) -> list[tuple[str, str]]:
+        return [(p["input"], p["output"]) for p in self.raw["cache"]["pairs"]]
+
+    def to_json(self) -> str:
+        return json.dumps(self.raw, indent=2, sort_keys=False) + "\n"
+
+    def write(self, folder: Path) -> None:
+        validate(self.raw)
+        tmp = folder / (MANIFEST_FILE + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(folder / MANIFEST_FILE)  # atomic: a crash never leaves half a manifest
+
+
+def validate(raw: Any) -> None:
+    """Raise ManifestError naming the first field that is missing or of the wrong type."""
+    if not isinstance(raw, dict):
+        raise ManifestError("manifest.json must hold a JSON object")
+    version = raw.get("schema_version")
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        raise ManifestError(
+            f"manifest schema_version {version} is newer than this kvexport understands ({SCHEMA_VERSION}); "
+            "upgrade kvexport (pip install -U kvexport) or rebuild the artifact with this version"
+        )
+    for section, fields in _SCHEMA.items():
+        obj = raw if section == "" else raw.get(section)
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest.json: `{section}` is missing or not an object")
+        _check_fields(obj, fields, section)
+    if raw.get("target") is not None:
+        _check_fields(raw["target"], _TARGET, "target")
+    for kind in ("inputs", "outputs"):
+        for i, io in enumerate(raw[kind]):
+            _check_fields(io, {"name": str, "dtype": str, "shape": list}, f"{kind}[{i}]")
+    for i, p in enumerate(raw["cache"]["pairs"]):
+        _check_fields(p, {"layer": int, "kind": str, "input": str, "output": str}, f"cache.pairs[{i}]")
+    if raw["cache"]["layout"] != "BHSD":
+        raise ManifestError(f"manifest.json: cache.layout {raw['cache']['layout']!r} is not supported (BHSD)")
+    if raw["cache"]["style"] not in ("static", "concat"):
+        raise ManifestError(f"manifest.json: cache.style {raw['cache']['style']!r} is not static or concat")
+
+
+def _check_fields(obj: dict, fields: dict[str, type | tuple[type, ...]], where: str) -> None:
+    for key, typ in fields.items():
+        if key not in obj:
+            raise ManifestError(f"manifest.json: `{where + '.' if where else ''}{key}` is missing")
+        if not isinstance(obj[key], typ) or (typ is int and isinstance(obj[key], bool)):
+            raise ManifestError(f"manifest.json: `{where + '.' if where else ''}{key}` has the wrong type")
+
+
+def read(folder: Path) -> Manifest:
+    path = Path(folder) / MANIFEST_FILE
+    if not path.is_file():
+        raise ManifestError(f"{path} is missing: {folder} is not a kvexport artifact (make one with `kvexport build`)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path} is not valid JSON ({e}); the artifact is corrupted, rebuild it") from e
+    validate(raw)
+    return Manifest(raw)

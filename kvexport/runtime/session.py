@@ -1,0 +1,45 @@
+"""What a backend hands the runtime: one compiled decoder step over a cache it knows how to hold."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+
+class Session(ABC):
+    """A loaded engine. The runtime's Engine drives it; a Session never tokenizes or samples.
+
+    Slot model shared by every backend: a request of `batch` rows is left-padded, so every row
+    holds the same number T of cache slots. Each `step` appends S new tokens to every row
+    (slots T .. T+S-1, the caller says which slots each new token may see) and returns the
+    last token's logits. Sessions must be safe to call from several threads with distinct states.
+    """
+
+    max_seq: int
+    vocab_size: int
+
+    @abstractmethod
+    def new_state(self, batch: int, capacity: int) -> Any:
+        """Per-request cache state for `batch` rows; `capacity` is the slots the request will need."""
+
+    @abstractmethod
+    def step(self, state: Any, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """input_ids, position_ids: int64 (B, S); attention_mask: bool (B, 1, S, T+S) over the slots
+        held after this step. Returns float32 logits (B, vocab) of each row's last new token.
+        The returned array may be a view into a buffer the next step overwrites."""
+
+    def release(self, state: Any) -> None:  # noqa: B027 - optional hook
+        """Free the state's buffers early (they are also freed when the state is dropped)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for `inspect` and `bench` (threads, cache policy, device)."""
+        return {}
+
+    def cache_bytes(self, state: Any) -> int:
+        """Bytes the state's KV cache occupies now."""
+        return 0
+
+    def cache_bytes_copied(self, state: Any) -> int:
+        """Cache bytes copied so far for this state (growth steps only; 0 per decode step)."""
+        return 0
