@@ -1,0 +1,34 @@
+"""The one tolerance table, keyed by (backend, precision). Tests and `kvexport verify` read it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_abs_logit: float  # max |engine - reference| over every compared logit
+    min_greedy_agreement: float  # fraction of greedy steps whose token matches the reference
+    max_mean_kl: float  # mean KL(reference || engine) per step
+
+
+EXACT = Tolerance(max_abs_logit=1e-4, min_greedy_agreement=1.0, max_mean_kl=1e-6)
+
+TOLERANCES: dict[tuple[str, str], Tolerance] = {
+    ("reference", "fp32"): EXACT,  # the owned decoder in eager torch
+    ("cpu", "fp32"): EXACT,
+    ("intel", "fp32"): Tolerance(1e-3, 1.0, 1e-5),
+    ("intel", "bf16"): Tolerance(float("inf"), 0.99, 1e-3),
+    ("amd", "fp32"): Tolerance(1e-3, 1.0, 1e-5),
+    ("amd", "fp16"): Tolerance(float("inf"), 0.99, 1e-3),
+    ("amd", "bf16"): Tolerance(float("inf"), 0.99, 2e-3),
+    ("nvidia", "fp16"): Tolerance(float("inf"), 0.99, 1e-3),
+    ("nvidia", "bf16"): Tolerance(float("inf"), 0.99, 2e-3),
+    ("nvidia", "fp32"): Tolerance(1e-3, 1.0, 1e-5),
+}
+
+
+def tolerance(backend: str, precision: str) -> Tolerance:
+    try:
+        return TOLERANCES[(backend, precision)]
+    except KeyError:
+        raise KeyError(f"no tolerance for ({backend!r}, {precision!r}); add one to kvexport/tolerances.py") from None
