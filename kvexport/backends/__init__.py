@@ -113,8 +113,10 @@ def get(name: str) -> Backend:
         )
     try:
         cls = eps[name].load()
-    except ImportError as e:
-        raise BackendUnavailableError(f"target {name!r} failed to import ({e}); reinstall kvexport") from e
+    except (ImportError, AttributeError) as e:
+        raise BackendUnavailableError(
+            f"target {name!r} failed to load from {eps[name].value} ({e}); reinstall kvexport (pip install -e .)"
+        ) from e
     backend = cls()
     _cache[name] = backend
     return backend

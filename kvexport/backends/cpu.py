@@ -1,0 +1,239 @@
+"""The embedded default target: ONNX Runtime's CPU execution provider, cache bound in place."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvexport.backends import BuildOptions, Capabilities, Progress
+from kvexport.backends import Backend as _Backend
+from kvexport.errors import ArtifactError, InputError
+from kvexport.manifest import Manifest
+from kvexport.runtime.buffers import aligned_zeros, capacity_for
+from kvexport.runtime.session import Session
+
+ENGINE_DIR = "engine"
+OPT_MODEL = "model.opt.onnx"
+OPT_DATA = "model.opt.onnx.data"
+NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def fingerprint() -> dict[str, Any]:
+    import onnxruntime as ort
+
+    flags = cpu_flags()
+    return {
+        "onnxruntime": ort.__version__,
+        "isa": sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4"))),
+        "machine": os.uname().machine,
+    }
+
+
+def _session_options(threads: int, optimized_path: Path | None = None) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3  # warnings about in-place TensorScatter are ours to prevent, not to print
+    if optimized_path is not None:
+        so.optimized_model_filepath = str(optimized_path)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPT_DATA)
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    return so
+
+
+class CpuBackend(_Backend):
+    name = "cpu"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            name="cpu",
+            description="ONNX Runtime CPU execution provider (embedded default: no GPU, no vendor SDK)",
+            ir_cache_style="static",
+            cache_policy="grow",
+            precisions=("fp32",),
+            default_precision="fp32",
+            devices=("cpu",),
+            sdk=("onnxruntime",),
+        )
+
+    def availability(self) -> list[str]:
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            return ["onnxruntime is not installed (pip install onnxruntime)"]
+        return []
+
+    def check(self, manifest: Manifest) -> list[str]:
+        problems = super().check(manifest)
+        if manifest.raw["ir"]["dtype"] != "float32":
+            problems.append(f"the cpu target runs fp32 graphs; this IR is {manifest.raw['ir']['dtype']}")
+        return problems
+
+    def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
+        """Run ONNX Runtime's graph optimizer once and store its result, so loading is fast."""
+        import onnxruntime as ort
+
+        self.require_available()
+        precision = options.precision or "fp32"
+        if precision != "fp32":
+            raise InputError(f"the cpu target supports precision fp32 only, not {precision!r}")
+        engine = folder / ENGINE_DIR
+        engine.mkdir(exist_ok=True)
+        progress("optimizing the graph with ONNX Runtime")
+        t0 = time.perf_counter()
+        ort.InferenceSession(str(folder / manifest.raw["ir"]["file"]),
+                             _session_options(1, engine / OPT_MODEL), providers=["CPUExecutionProvider"])
+        progress(f"optimized in {time.perf_counter() - t0:.1f}s")
+        manifest.raw["target"] = {
+            "backend": "cpu",
+            "precision": precision,
+            "engine_files": [f"{ENGINE_DIR}/{OPT_MODEL}", f"{ENGINE_DIR}/{OPT_DATA}"],
+            "fingerprint": fingerprint(),
+            "options": {"threads": options.threads},
+        }
+
+    def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, **options: Any) -> CpuSession:
+        self.require_available()
+        if options:
+            raise InputError(f"the cpu target takes no options {sorted(options)}; it accepts threads=N")
+        target = manifest.target or {}
+        model = folder / ENGINE_DIR / OPT_MODEL
+        warning = None
+        if target.get("fingerprint", {}).get("onnxruntime") != fingerprint()["onnxruntime"] or not model.is_file():
+            # an optimized graph from another ONNX Runtime may hold kernels this one lacks: use the IR
+            model = folder / manifest.raw["ir"]["file"]
+            warning = "optimized graph made by another onnxruntime version; loaded the IR instead"
+        threads = threads or target.get("options", {}).get("threads") or default_threads()
+        return CpuSession(model, manifest, threads, warning)
+
+    def doctor(self) -> dict[str, Any]:
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            return {}
+        return {"onnxruntime": ort.__version__, "providers": ort.get_available_providers()}
+
+
+@dataclass
+class CpuState:
+    """One request's cache: 2 * layers aligned buffers (B, H_kv, capacity, D), bound in place."""
+
+    batch: int
+    capacity: int
+    caches: list[np.ndarray]
+    binding: Any
+    logits: np.ndarray  # (B, 1, V)
+    mask: np.ndarray | None = None  # (B, 1, 1, capacity) decode mask, reused every step
+    bytes_copied: int = 0
+    run_seconds: float = 0.0
+    steps: int = 0
+    grow_events: list[int] = field(default_factory=list)
+
+
+class CpuSession(Session):
+    def __init__(self, model: Path, manifest: Manifest, threads: int, warning: str | None = None):
+        import onnxruntime as ort
+
+        self.manifest, self.threads, self.warning = manifest, threads, warning
+        cfg = manifest.config
+        self.max_seq, self.vocab_size = manifest.max_seq, cfg.vocab_size
+        self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
+        self.cache_dtype = NP_DTYPES[manifest.cache["dtype"]]
+        self.pairs = manifest.kv_pairs()
+        try:
+            self.sess = ort.InferenceSession(str(model), _session_options(threads), providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
+            raise ArtifactError(f"ONNX Runtime could not load {model}: {e}; rebuild the artifact") from e
+        if not manifest.raw["ir"]["last_token_only"]:
+            raise ArtifactError("the cpu runtime expects an IR exported with last-token-only logits")
+
+    def describe(self) -> dict[str, Any]:
+        return {"threads": self.threads, "cache_policy": "grow", "device": "cpu",
+                "warning": self.warning}
+
+    # --- state -----------------------------------------------------------------------------
+    def new_state(self, batch: int, capacity: int) -> CpuState:
+        cap = capacity_for(min(capacity, self.max_seq), self.max_seq)
+        state = CpuState(batch, 0, [], self.sess.io_binding(),
+                         aligned_zeros((batch, 1, self.vocab_size), np.float32))
+        state.binding.bind_output("logits", "cpu", 0, np.float32, state.logits.shape, state.logits.ctypes.data)
+        self._resize(state, cap)
+        return state
+
+    def _resize(self, state: CpuState, capacity: int) -> None:
+        """Allocate caches of `capacity` slots, copy the held rows once, rebind past=present."""
+        shape = (state.batch, self.kv_heads, capacity, self.head_dim)  # (B, H_kv, S_max, D)
+        new = [aligned_zeros(shape, self.cache_dtype) for _ in self.pairs]
+        if state.caches:
+            held = state.capacity
+            for old, buf in zip(state.caches, new):
+                buf[:, :, :held] = old
+                state.bytes_copied += old.nbytes
+            state.grow_events.append(capacity)
+        for (inp, out), buf in zip(self.pairs, new):
+            # same address for input and output: TensorScatter then writes in place
+            state.binding.bind_input(inp, "cpu", 0, self.cache_dtype, shape, buf.ctypes.data)
+            state.binding.bind_output(out, "cpu", 0, self.cache_dtype, shape, buf.ctypes.data)
+        state.caches, state.capacity = new, capacity
+        state.mask = aligned_zeros((state.batch, 1, 1, capacity), np.bool_)
+
+    def release(self, state: CpuState) -> None:
+        state.caches = []
+        state.binding.clear_binding_inputs()
+        state.binding.clear_binding_outputs()
+
+    def cache_bytes(self, state: CpuState) -> int:
+        return sum(c.nbytes for c in state.caches)
+
+    def cache_bytes_copied(self, state: CpuState) -> int:
+        return state.bytes_copied
+
+    # --- step -------------------------------------------------------------------------------
+    def step(self, state: CpuState, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        B, S = input_ids.shape
+        total = attention_mask.shape[-1]  # slots held after this step
+        if B != state.batch:
+            raise InputError(f"this state holds {state.batch} rows, the step gave {B}")
+        if total > self.max_seq:
+            raise InputError(f"{total} slots exceed max_seq {self.max_seq}")
+        if total > state.capacity:
+            self._resize(state, capacity_for(total, self.max_seq))
+        if S == 1:
+            mask = state.mask
+            assert mask is not None
+            mask[..., :total] = attention_mask
+        else:
+            mask = np.zeros((B, 1, S, state.capacity), dtype=np.bool_)
+            mask[..., :total] = attention_mask
+        b = state.binding
+        b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        b.bind_cpu_input("write_index", np.full(B, total - S, dtype=np.int64))
+        b.bind_cpu_input("attention_mask", mask)
+        t0 = time.perf_counter()
+        self.sess.run_with_iobinding(b)
+        state.run_seconds += time.perf_counter() - t0
+        state.steps += 1
+        return state.logits[:, 0, :]

@@ -1,0 +1,93 @@
+"""`kvexport build`: export the IR, lower it with a backend, verify, and write the artifact atomically."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from kvexport import backends
+from kvexport.artifact import VERIFY_FILE, export_artifact, finish, open_artifact
+from kvexport.backends import BuildOptions
+from kvexport.errors import BackendUnavailableError, InputError, NumericsMismatchError
+from kvexport.manifest import Manifest
+
+Progress = Callable[[str], None]
+
+
+def build(
+    model_dir: str | Path | None,
+    out: str | Path,
+    *,
+    target: str = "cpu",
+    max_seq: int | None = None,
+    options: BuildOptions | None = None,
+    verify: bool = True,
+    progress: Progress | None = None,
+) -> Path:
+    """Build an artifact. model_dir None builds the embedded default model (nothing downloaded)."""
+    say = progress or (lambda _m: None)
+    options = options or BuildOptions()
+    backend = backends.get(target)
+    caps = backend.capabilities()
+    if options.precision is not None and options.precision not in caps.precisions:
+        raise InputError(f"target {target!r} supports precisions {', '.join(caps.precisions)}, not {options.precision!r}")
+    reasons = backend.availability()
+    if reasons and not (caps.deferred_build and options.extra.get("defer")):
+        hint = " Pass --defer to package the prepared IR; the engine is then built at first load." if caps.deferred_build else ""
+        raise BackendUnavailableError(f"target {target!r} cannot build here: " + "; ".join(reasons) + "." + hint)
+    out = Path(out)
+    with tempfile.TemporaryDirectory(prefix="kvexport-default-") as tmp:
+        if model_dir is None:
+            from kvexport.zoo import DEFAULT_MODEL, write_checkpoint
+
+            say("writing the embedded default model (seeded, byte-level tokenizer)")
+            model_dir = write_checkpoint(DEFAULT_MODEL, Path(tmp) / "kvx-default-llama", seed=0)
+        model_dir = Path(model_dir)
+        staging = out.with_name(out.name + ".building")
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            export_artifact(model_dir, staging, max_seq=max_seq, cache_style=caps.ir_cache_style, progress=say)
+            folder, manifest = open_artifact(staging, verify_hashes=False)
+            problems = backend.check(manifest)
+            if problems:
+                raise InputError(f"target {target!r} cannot lower this model: " + "; ".join(problems))
+            say(f"building the {target} engine")
+            backend.build(folder, manifest, options, say)
+            finish(folder, manifest)
+            if verify and not manifest.raw["target"].get("deferred"):
+                run_verify(folder, model_dir, progress=say)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    say(f"artifact ready: {out}")
+    return out
+
+
+def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: int = 32,
+               progress: Progress | None = None, raise_on_fail: bool = True) -> dict:
+    """Verify an artifact against a reference checkpoint; record verify.json and the manifest's summary."""
+    from kvexport.runtime.engine import load
+    from kvexport.verify import verify_engine
+
+    folder = Path(folder)
+    engine = load(folder)
+    report = verify_engine(engine, reference_dir, decode_steps=decode_steps, progress=progress)
+    (folder / VERIFY_FILE).write_text(report.to_json())
+    manifest: Manifest = engine.manifest
+    manifest.raw["verification"] = {"file": VERIFY_FILE, "passed": report.passed, "reference": report.reference,
+                                    **{k: report.summary[k] for k in ("max_abs_logit", "greedy_agreement", "mean_kl")}}
+    finish(folder, manifest)
+    if progress:
+        s = report.summary
+        progress(f"verify: max |dlogit| {s['max_abs_logit']:.2e}, greedy agreement {s['greedy_agreement']:.3f}, "
+                 f"mean KL {s['mean_kl']:.2e} -> {'passed' if report.passed else 'FAILED'}")
+    if raise_on_fail and not report.passed:
+        raise NumericsMismatchError(
+            f"{folder} differs from the reference beyond the tolerance for ({report.backend}, {report.precision}): "
+            + "; ".join(report.failures) + f". Details in {folder / VERIFY_FILE}."
+        )
+    return {"passed": report.passed, **report.summary, **report.checks}

@@ -1,0 +1,302 @@
+"""The Engine: tokenizer + sampling + the cache's slot bookkeeping over any backend's Session."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from kvexport.artifact import open_artifact
+from kvexport.errors import ArtifactError, ContextOverflowError, InputError
+from kvexport.manifest import Manifest
+from kvexport.runtime.sampling import SamplingParams, sample
+from kvexport.runtime.session import Session
+
+Prompt = str | Sequence[int] | np.ndarray
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Generation:
+    """One row's result: generated ids (prompt excluded) and their text."""
+
+    token_ids: list[int]
+    text: str | None
+    prompt_ids: list[int]
+    finish_reason: FinishReason
+
+
+@dataclass
+class StreamEvent:
+    token_id: int
+    text: str  # the text this token completed (may be "" while a UTF-8 sequence is incomplete)
+    index: int
+
+
+@dataclass
+class Batch:
+    """A live request: left-padded rows, one Session state, the slots held so far (lower-level API)."""
+
+    prompts: list[list[int]]
+    state: Any
+    pad: np.ndarray  # (B,) left padding per row
+    valid: np.ndarray  # (B, max_slots) bool: slot holds a real token of that row
+    slots: int = 0  # T: slots held by every row
+    logits: np.ndarray | None = None  # (B, V) after the last step
+    sliding_window: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+
+@dataclass
+class _Tokenizer:
+    tok: Any
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tok.decode(list(ids), skip_special_tokens=True))
+
+
+class Engine:
+    """Generates text from an artifact's engine. Safe to share between threads: each call owns
+    its own cache state; the Session underneath is the only shared object."""
+
+    def __init__(self, folder: Path, manifest: Manifest, session: Session):
+        self.folder, self.manifest, self.session = folder, manifest, session
+        self.config = manifest.config
+        self.max_seq = manifest.max_seq
+        self.vocab_size = self.config.vocab_size
+        self.eos_ids = tuple(manifest.raw["tokenizer"]["eos_token_ids"])
+        self.tokenizer = self._load_tokenizer()
+
+    def _load_tokenizer(self) -> _Tokenizer | None:
+        path = self.folder / "tokenizer.json"
+        if "tokenizer.json" not in self.manifest.raw["tokenizer"]["files"] or not path.is_file():
+            return None
+        from tokenizers import Tokenizer
+
+        return _Tokenizer(Tokenizer.from_file(str(path)))
+
+    # --- text <-> ids -------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InputError("this artifact has no tokenizer.json; pass token ids instead of text")
+        return self.tokenizer.encode(text)
+
+    def decode_text(self, ids: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    def _as_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        else:
+            arr = np.asarray(prompt)
+            if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+                raise InputError(
+                    f"token ids must be a 1-D sequence of integers, got dtype {arr.dtype} and shape {arr.shape}; "
+                    "pass text or a list of ints"
+                )
+            ids = [int(i) for i in arr]
+        if not ids:
+            raise InputError("the prompt is empty; pass at least one token")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    # --- lower level: prefill / decode -------------------------------------------------------
+    def check_fits(self, longest_prompt: int, max_new_tokens: int) -> None:
+        need = longest_prompt + max_new_tokens
+        if need > self.max_seq:
+            raise ContextOverflowError(
+                f"the request needs {need} cache slots (prompt {longest_prompt} + max_new_tokens {max_new_tokens}) "
+                f"but this engine holds at most max_seq={self.max_seq}; shorten the prompt, lower max_new_tokens, "
+                "or rebuild with a larger --max-seq"
+            )
+
+    def prefill(self, prompts: Prompt | Sequence[Prompt], max_new_tokens: int = 0) -> Batch:
+        """Run the prompt(s) through the engine; returns a Batch whose .logits are each row's last."""
+        rows = self._rows(prompts)
+        S = max(len(r) for r in rows)
+        self.check_fits(S, max_new_tokens)
+        B = len(rows)
+        pad = np.array([S - len(r) for r in rows], dtype=np.int64)
+        ids = np.zeros((B, S), dtype=np.int64)
+        for b, r in enumerate(rows):
+            ids[b, pad[b]:] = r
+        i = np.arange(S)
+        pos = np.maximum(i[None, :] - pad[:, None], 0)  # (B, S)
+        valid = np.zeros((B, S + max_new_tokens), dtype=bool)
+        valid[:, :S] = i[None, :] >= pad[:, None]
+        mask = (i[None, None, :] <= i[None, :, None]) & valid[:, None, :S]  # (B, S, S) causal, no pad keys
+        window = self.config.sliding_window
+        if window:
+            mask &= (i[None, :, None] - i[None, None, :]) < window
+        mask[:, i, i] |= ~valid[:, :S]  # a pad query sees itself only: keeps its row finite
+        state = self.session.new_state(B, S + max(max_new_tokens, 1))
+        batch = Batch(rows, state, pad, valid, 0, None, window)
+        batch.logits = self.session.step(state, ids, pos, mask[:, None])
+        batch.slots = S
+        return batch
+
+    def decode(self, batch: Batch, tokens: np.ndarray) -> np.ndarray:
+        """Append one token per row; returns the (B, V) logits for the next position."""
+        T = batch.slots
+        if T + 1 > self.max_seq:
+            raise ContextOverflowError(f"the cache is full (max_seq={self.max_seq}); no slot left for another token")
+        if T + 1 > batch.valid.shape[1]:
+            grown = np.zeros((batch.batch_size, max(2 * batch.valid.shape[1], T + 1)), dtype=bool)
+            grown[:, : batch.valid.shape[1]] = batch.valid
+            batch.valid = grown
+        batch.valid[:, T] = True
+        mask = batch.valid[:, None, None, : T + 1].copy()  # (B, 1, 1, T+1)
+        if batch.sliding_window and T + 1 > batch.sliding_window:
+            mask[..., : T + 1 - batch.sliding_window] = False
+        ids = np.asarray(tokens, dtype=np.int64).reshape(batch.batch_size, 1)
+        pos = (T - batch.pad).reshape(-1, 1)
+        batch.logits = self.session.step(batch.state, ids, pos, mask)
+        batch.slots = T + 1
+        return batch.logits
+
+    def _rows(self, prompts: Prompt | Sequence[Prompt]) -> list[list[int]]:
+        if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
+            return [self._as_ids(prompts)]
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+            return [self._as_ids(r) for r in prompts]
+        seq = list(prompts)  # type: ignore[arg-type]
+        if not seq:
+            raise InputError("no prompt given")
+        if all(isinstance(x, int | np.integer) for x in seq):
+            return [self._as_ids(seq)]
+        return [self._as_ids(p) for p in seq]
+
+    # --- generation ------------------------------------------------------------------------------
+    def _steps(self, prompts: Prompt | Sequence[Prompt], max_new_tokens: int, params: SamplingParams,
+               stop: Sequence[int | str]) -> Iterator[tuple[Batch, np.ndarray, np.ndarray]]:
+        """Yields (batch, tokens (B,), live-before-this-token (B,)) for every generated position."""
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        stop_ids = {s for s in stop if isinstance(s, int)} | set(self.eos_ids)
+        rng = np.random.default_rng(params.seed)
+        batch = self.prefill(prompts, max_new_tokens)
+        try:
+            live = np.ones(batch.batch_size, dtype=bool)
+            for step in range(max_new_tokens):
+                assert batch.logits is not None
+                tokens = sample(batch.logits, params, rng)
+                yield batch, tokens, live.copy()
+                live &= ~np.isin(tokens, list(stop_ids))
+                if not live.any() or step == max_new_tokens - 1:
+                    break
+                self.decode(batch, tokens)
+        finally:
+            self.session.release(batch.state)
+
+    def generate(
+        self,
+        prompt: Prompt | Sequence[Prompt],
+        max_new_tokens: int = 32,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[int | str] = (),
+    ) -> Generation | list[Generation]:
+        """Generate for one prompt (returns a Generation) or a batch (returns a list).
+
+        A prompt is text or token ids. `stop` holds token ids and/or strings; the model's EOS
+        ids always stop. Greedy unless temperature > 0.
+        """
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        single = isinstance(prompt, str) or (not isinstance(prompt, str) and _is_id_list(prompt))
+        stop_strs = [s for s in stop if isinstance(s, str)]
+        out: list[list[int]] = []
+        reasons: list[FinishReason] = []
+        rows: list[list[int]] = []
+        for batch, tokens, live in self._steps(prompt, max_new_tokens, params, stop):
+            if not out:
+                rows = batch.prompts
+                out = [[] for _ in rows]
+                reasons = ["length"] * len(rows)
+            for b, t in enumerate(tokens):
+                if live[b] and reasons[b] == "length":
+                    out[b].append(int(t))
+                    if int(t) in self.eos_ids or int(t) in stop or self._hit_stop_string(out[b], stop_strs):
+                        reasons[b] = "stop"
+        gens = []
+        for b, ids in enumerate(out):
+            text = self.decode_text(ids)
+            if text is not None:
+                for s in stop_strs:
+                    if s in text:
+                        text = text[: text.index(s)]
+            gens.append(Generation(ids, text, rows[b], reasons[b]))
+        return gens[0] if single else gens
+
+    def _hit_stop_string(self, ids: list[int], stop_strs: list[str]) -> bool:
+        if not stop_strs or self.tokenizer is None:
+            return False
+        text = self.tokenizer.decode(ids[-64:])
+        return any(s in text for s in stop_strs)
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 32,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[int | str] = (),
+    ) -> Iterator[StreamEvent]:
+        """Yield tokens and their text as they are generated (one prompt)."""
+        if not (isinstance(prompt, str) or _is_id_list(prompt)):
+            raise InputError("stream takes one prompt; use generate for batches")
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        ids: list[int] = []
+        emitted = ""
+        stop_strs = [s for s in stop if isinstance(s, str)]
+        for _batch, tokens, _live in self._steps(prompt, max_new_tokens, params, [s for s in stop if isinstance(s, int)]):
+            t = int(tokens[0])
+            if t in self.eos_ids or t in stop:
+                return
+            ids.append(t)
+            text = self.decode_text(ids) or ""
+            if any(s in text for s in stop_strs):
+                cut = min(text.index(s) for s in stop_strs if s in text)
+                if cut > len(emitted):
+                    yield StreamEvent(t, text[len(emitted):cut], len(ids) - 1)
+                return
+            delta = "" if text.endswith("\ufffd") else text[len(emitted):]  # wait for the rest of a UTF-8 char
+            emitted += delta
+            yield StreamEvent(t, delta, len(ids) - 1)
+
+
+def _is_id_list(p: Any) -> bool:
+    if isinstance(p, np.ndarray):
+        return p.ndim == 1
+    return isinstance(p, Sequence) and len(p) > 0 and all(isinstance(x, int | np.integer) for x in p)
+
+
+def load(path: str | Path, *, threads: int | None = None, verify_hashes: bool = True, **options: Any) -> Engine:
+    """Open an artifact, check every file's sha256, and load its engine through its backend."""
+    from kvexport import backends
+
+    folder, manifest = open_artifact(path, verify_hashes=verify_hashes)
+    target = manifest.target
+    if target is None:
+        raise ArtifactError(
+            f"{folder} holds only the IR (made by `kvexport export`); build an engine from it with "
+            f"`kvexport build {folder} --target cpu -o OUT.kvx`"
+        )
+    backend = backends.get(target["backend"])
+    session = backend.load(folder, manifest, threads=threads, **options)
+    return Engine(folder, manifest, session)
