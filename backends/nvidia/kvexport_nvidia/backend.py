@@ -1,0 +1,278 @@
+"""NvidiaBackend: lowers the static IR for TensorRT, builds (or defers) the engine, loads it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvexport.backends import Backend, BuildOptions, Capabilities, Progress
+from kvexport.checkpoint import sha256_file
+from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, UnsupportedFeatureError
+from kvexport.manifest import Manifest
+
+from kvexport_nvidia import fingerprint as fp
+from kvexport_nvidia.lowering import lower_file
+from kvexport_nvidia.profiles import Profile, make_profiles
+
+ENGINE_DIR = "engine"
+PREPARED = "prepared.onnx"  # the lowered IR: fp16/bf16, cache_len pinned, parser-ready
+PLAN = "model.plan"
+PRECISION_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}
+OPTIONS = {"defer", "max_prefill", "opt_prefill", "workspace_mb"}
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _int_option(extra: dict[str, Any], key: str) -> int | None:
+    if extra.get(key) is None:
+        return None
+    try:
+        return int(extra[key])
+    except (TypeError, ValueError) as e:
+        raise InputError(f"--option {key}= takes an integer, got {extra[key]!r}") from e
+
+
+# --- what this machine has (module-level so tests can stand in for a GPU machine) ---------------
+def tensorrt_installed() -> bool:
+    return importlib.util.find_spec("tensorrt") is not None
+
+
+def torch_cuda_build() -> str | None:
+    import torch
+
+    return torch.version.cuda
+
+
+def probe_device(device_index: int = 0) -> fp.DeviceInfo:
+    """This machine's fingerprint; needs TensorRT and a GPU (callers check availability first)."""
+    from kvexport_nvidia.trt_build import import_tensorrt
+
+    trt = import_tensorrt()
+    smi, why = fp.nvidia_smi()
+    if smi is None:
+        raise BackendUnavailableError(f"the nvidia target needs an NVIDIA GPU: {why}")
+    import torch
+
+    name, cc = smi["gpu_name"], smi["compute_capability"]
+    if torch.cuda.is_available():  # the device the runtime will use, not only GPU 0 of nvidia-smi
+        name = torch.cuda.get_device_name(device_index)
+        cc = "{}.{}".format(*torch.cuda.get_device_capability(device_index))
+    return fp.DeviceInfo(tensorrt=trt.__version__, gpu_name=name, compute_capability=cc, driver=smi["driver"])
+
+
+class NvidiaBackend(Backend):
+    name = "nvidia"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            name="nvidia",
+            description="TensorRT engine: in-place KV-cache update, fused attention and RoPE layers, "
+                        "CUDA-graph decode (NVIDIA GPU, TensorRT >= 10.15)",
+            ir_cache_style="static",
+            cache_policy="fixed",  # IKVCacheUpdateLayer and graph capture need the static max_seq cache
+            precisions=("fp16", "bf16"),
+            default_precision="fp16",
+            devices=("cuda",),
+            sdk=("tensorrt", "torch"),
+            deferred_build=True,
+            threads_option=False,
+        )
+
+    def availability(self) -> list[str]:
+        reasons = []
+        if not tensorrt_installed():
+            reasons.append("TensorRT is not installed (on the GPU machine: `pip install 'tensorrt>=10.15'`)")
+        smi, why = fp.nvidia_smi()
+        if smi is None:
+            reasons.append(f"no NVIDIA GPU is visible ({why}); TensorRT engines build and run only on one")
+        if torch_cuda_build() is None:
+            reasons.append("this torch is a CPU-only build, and the nvidia runtime keeps the cache in torch.cuda "
+                           "tensors (install a CUDA build of torch on the GPU machine)")
+        return reasons
+
+    def check(self, manifest: Manifest) -> list[str]:
+        problems = super().check(manifest)
+        dtype = manifest.raw["ir"]["dtype"]
+        if dtype not in ("float32", *PRECISION_DTYPE.values()):
+            problems.append(f"the nvidia target lowers fp32/fp16/bf16 IR; this one is {dtype}")
+        return problems
+
+    # --- build ----------------------------------------------------------------------------------
+    def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
+        precision = options.precision or self.capabilities().default_precision
+        if precision not in PRECISION_DTYPE:
+            raise InputError(f"the nvidia target builds fp16 or bf16 engines, not {precision!r} (--precision fp16|bf16)")
+        ir_dtype = manifest.raw["ir"]["dtype"]
+        if ir_dtype not in ("float32", PRECISION_DTYPE[precision]):
+            raise InputError(f"this IR is {ir_dtype}; a {precision} engine needs an fp32 or {precision} IR")
+        extra = dict(options.extra)
+        unknown = sorted(set(extra) - OPTIONS)
+        if unknown:
+            raise InputError(f"unknown nvidia option(s) {unknown}; supported: {', '.join(sorted(OPTIONS))}")
+        problems = self.check(manifest)
+        if problems:
+            raise UnsupportedFeatureError("; ".join(problems))
+        defer = _truthy(extra.get("defer", False))
+        build_opts = {
+            "max_batch": options.max_batch,
+            "max_prefill": _int_option(extra, "max_prefill") or manifest.max_seq,
+            "opt_prefill": _int_option(extra, "opt_prefill"),
+            "workspace_mb": _int_option(extra, "workspace_mb"),
+        }
+        profiles = make_profiles(manifest, max_batch=build_opts["max_batch"], max_prefill=build_opts["max_prefill"],
+                                 opt_prefill=build_opts["opt_prefill"])
+        reasons = self.availability()
+        if reasons and not defer:
+            raise BackendUnavailableError(unavailable_message(reasons))
+
+        engine_dir = folder / ENGINE_DIR
+        engine_dir.mkdir(exist_ok=True)
+        progress(f"lowering the IR for TensorRT ({precision}, cache pinned to max_seq {manifest.max_seq})")
+        report = lower_file(folder / manifest.raw["ir"]["file"], engine_dir / PREPARED, max_seq=manifest.max_seq,
+                            precision=precision, pairs=manifest.kv_pairs())  # type: ignore[arg-type]
+        files = [f"{ENGINE_DIR}/{PREPARED}", f"{ENGINE_DIR}/{PREPARED}.data"]
+        target_options: dict[str, Any] = {
+            **build_opts, "deferred": defer, "profiles": [p.to_dict() for p in profiles], "lowering": report.to_dict(),
+        }
+        fingerprint: dict[str, str] = {}
+        if defer:
+            progress("deferred: the prepared IR is packaged; the engine is built at first load on an NVIDIA GPU")
+        else:
+            from kvexport_nvidia.trt_build import build_engine
+
+            info = probe_device()
+            plan = build_engine(engine_dir / PREPARED, profiles, workspace_bytes=_mb(build_opts["workspace_mb"]),
+                                progress=progress)
+            (engine_dir / PLAN).write_bytes(plan)
+            files.append(f"{ENGINE_DIR}/{PLAN}")
+            fingerprint = info.fingerprint()
+        manifest.raw["target"] = {"backend": "nvidia", "precision": precision, "engine_files": files,
+                                  "fingerprint": fingerprint, "options": target_options}
+
+    # --- load -------------------------------------------------------------------------------------
+    def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
+             cuda_graph: bool = True, device: int = 0, progress: Progress | None = None, **options: Any) -> Any:
+        if options:
+            raise InputError(f"unknown nvidia load option(s) {sorted(options)}; supported: no_rebuild, cuda_graph, device")
+        if threads is not None:
+            raise InputError("the nvidia target runs on the GPU and takes no threads option")
+        target = manifest.target
+        if not target or target.get("backend") != "nvidia":
+            raise ArtifactError(f"{folder} holds no nvidia engine; build one with `kvexport build --target nvidia`")
+        reasons = self.availability()
+        if reasons:
+            what = ("its engine is built at first load on the GPU machine" if target["options"].get("deferred")
+                    else "its TensorRT engine runs on an NVIDIA GPU")
+            raise BackendUnavailableError(f"{folder}: {what}, and this machine cannot: " + "; ".join(reasons)
+                                          + ". Copy the artifact to a machine with an NVIDIA GPU and TensorRT, "
+                                            "or build one for this machine with `--target cpu`.")
+        say = progress or (lambda m: print(f"kvexport: {m}", file=sys.stderr))
+        info = probe_device(device)
+        decision = fp.decide(target, info)
+        fp.require_usable(decision, no_rebuild=no_rebuild, artifact=folder)
+        if decision.action is fp.Action.USE:
+            plan_path = folder / ENGINE_DIR / PLAN
+            verify_file(folder, manifest, f"{ENGINE_DIR}/{PLAN}")
+        else:
+            say(decision.reason)
+            plan_path = self._cached_or_rebuilt(folder, manifest, info, say)
+        return self._session(plan_path, manifest, device=device, cuda_graph=cuda_graph, info=info)
+
+    def _cached_or_rebuilt(self, folder: Path, manifest: Manifest, info: fp.DeviceInfo, say: Progress) -> Path:
+        """A plan for this machine from the cache folder, built from the packaged IR when missing."""
+        from kvexport_nvidia.trt_build import build_engine
+
+        target = manifest.target or {}
+        for rel in (f"{ENGINE_DIR}/{PREPARED}", f"{ENGINE_DIR}/{PREPARED}.data"):
+            verify_file(folder, manifest, rel)
+        ir_sha = manifest.raw["files"][f"{ENGINE_DIR}/{PREPARED}.data"] + manifest.raw["files"][f"{ENGINE_DIR}/{PREPARED}"]
+        build_opts = {k: target["options"].get(k) for k in ("max_batch", "max_prefill", "opt_prefill", "workspace_mb")}
+        entry_dir = fp.cache_root() / fp.cache_key(ir_sha, info.fingerprint(), build_opts)
+        plan_path, entry_path = entry_dir / PLAN, entry_dir / "entry.json"
+        if cached_plan_ok(entry_path, plan_path, info.fingerprint(), ir_sha):
+            say(f"using the engine rebuilt earlier for this machine: {plan_path}")
+            return plan_path
+        profiles = profiles_from_target(target)
+        say(f"building the engine into {entry_dir}")
+        plan = build_engine(folder / ENGINE_DIR / PREPARED, profiles, workspace_bytes=_mb(build_opts["workspace_mb"]),
+                            progress=say)
+        entry_dir.mkdir(parents=True, exist_ok=True)
+        tmp = plan_path.with_suffix(".partial")
+        tmp.write_bytes(plan)
+        tmp.replace(plan_path)
+        entry = {"sha256": sha256_file(plan_path), "fingerprint": info.fingerprint(), "ir_sha256": ir_sha}
+        entry_path.write_text(json.dumps(entry, indent=2) + "\n")
+        return plan_path
+
+    def _session(self, plan_path: Path, manifest: Manifest, *, device: int, cuda_graph: bool, info: fp.DeviceInfo) -> Any:
+        import torch
+
+        from kvexport_nvidia.runtime import TrtSession
+        from kvexport_nvidia.trt_build import deserialize
+
+        torch.cuda.set_device(device)
+        runtime, engine = deserialize(plan_path.read_bytes())
+        target = manifest.target or {}
+        return TrtSession(engine, runtime, pairs=manifest.kv_pairs(), profiles=profiles_from_target(target),
+                          max_seq=manifest.max_seq, vocab_size=manifest.config.vocab_size, device_index=device,
+                          cuda_graph=cuda_graph, info={"precision": target.get("precision"), **info.fingerprint()})
+
+    def doctor(self) -> dict[str, Any]:
+        smi, why = fp.nvidia_smi()
+        out: dict[str, Any] = {"gpu": smi or why, "torch_cuda": torch_cuda_build()}
+        if tensorrt_installed():
+            try:
+                import tensorrt as trt
+
+                out["tensorrt"] = trt.__version__
+            except ImportError as e:  # installed but broken (for example the placeholder wheel)
+                out["tensorrt"] = f"installed but fails to import: {e}"
+        else:
+            out["tensorrt"] = "not installed"
+        out["ready"] = not self.availability()
+        return out
+
+
+# --- helpers (pure, tested without a GPU) ---------------------------------------------------------
+def unavailable_message(reasons: list[str]) -> str:
+    return ("target 'nvidia' cannot build an engine here: " + "; ".join(reasons) + ". "
+            "Run the build on the GPU machine, or package the prepared IR now with `--option defer=true`: "
+            "the artifact then builds its TensorRT engine at first load on an NVIDIA GPU (minutes, once; cached).")
+
+
+def profiles_from_target(target: dict[str, Any]) -> list[Profile]:
+    return [Profile(p["name"], {k: tuple(tuple(s) for s in v) for k, v in p["shapes"].items()})  # type: ignore[misc]
+            for p in target["options"]["profiles"]]
+
+
+def verify_file(folder: Path, manifest: Manifest, rel: str) -> None:
+    """A native file is read only after its sha256 matches the manifest."""
+    want = manifest.raw["files"].get(rel)
+    path = folder / rel
+    if want is None or not path.is_file():
+        raise ArtifactError(f"{path} is missing or unlisted in manifest.json; rebuild the artifact with `kvexport build`")
+    if sha256_file(path) != want:
+        raise ArtifactError(f"{path} does not match its sha256 in manifest.json (truncated or edited); rebuild the artifact")
+
+
+def cached_plan_ok(entry_path: Path, plan_path: Path, fingerprint: dict[str, str], ir_sha: str) -> bool:
+    """A cached rebuild is used only if its entry names this machine and IR and its bytes match."""
+    if not entry_path.is_file() or not plan_path.is_file():
+        return False
+    try:
+        entry = json.loads(entry_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (isinstance(entry, dict) and entry.get("fingerprint") == fingerprint and entry.get("ir_sha256") == ir_sha
+            and entry.get("sha256") == sha256_file(plan_path))
+
+
+def _mb(value: int | None) -> int | None:
+    return None if value is None else value * (1 << 20)
+
+
+__all__ = ["NvidiaBackend", "cached_plan_ok", "profiles_from_target", "unavailable_message"]

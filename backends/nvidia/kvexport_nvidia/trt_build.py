@@ -1,0 +1,144 @@
+"""Building a serialized TensorRT engine from the lowered ONNX graph (TensorRT Python API).
+
+TensorRT is imported inside these functions only: the module imports on machines without it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvexport.errors import BackendUnavailableError, KvexportError
+
+from kvexport_nvidia.profiles import Profile
+
+MIN_VERSION = (10, 15)  # IKVCacheUpdateLayer, IRotaryEmbeddingLayer and their ONNX importers
+
+
+class EngineBuildError(KvexportError):
+    """TensorRT's parser or builder refused the graph; the message carries every error it gave."""
+
+
+def import_tensorrt() -> Any:
+    """Import tensorrt or say exactly what to install; refuse versions without the KV-cache layers."""
+    try:
+        import tensorrt as trt
+    except ImportError as e:
+        raise BackendUnavailableError(
+            f"the nvidia target needs TensorRT >= {MIN_VERSION[0]}.{MIN_VERSION[1]} (`pip install tensorrt`, "
+            f"on a Linux machine with an NVIDIA GPU and driver); importing it failed: {e}"
+        ) from e
+    if version_tuple(trt.__version__) < MIN_VERSION:
+        raise BackendUnavailableError(
+            f"TensorRT {trt.__version__} lacks the KV-cache update and RoPE layers the nvidia target uses; "
+            f"install TensorRT >= {MIN_VERSION[0]}.{MIN_VERSION[1]} (`pip install -U tensorrt`)"
+        )
+    return trt
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def network_flags(trt: Any) -> int:
+    """STRONGLY_TYPED: the ONNX dtypes decide each layer's precision (TensorRT 11 always does; on
+    10.x the flag asks for it, and the precision builder flags stay off)."""
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    return 0 if flag is None else 1 << int(flag)
+
+
+def _logger(trt: Any, sink: list[str]) -> Any:
+    class _Capture(trt.ILogger):  # type: ignore[misc, name-defined]
+        """Keeps warnings and errors so that a failed build can show them all."""
+
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+
+        def log(self, severity: Any, msg: str) -> None:
+            if severity <= trt.ILogger.Severity.WARNING:
+                sink.append(f"[{str(severity).rsplit('.', 1)[-1]}] {msg}")
+
+    return _Capture()
+
+
+def parser_errors(parser: Any) -> list[str]:
+    """Every error the ONNX parser recorded, with the node it came from."""
+    errors = []
+    for i in range(parser.num_errors):
+        e = parser.get_error(i)
+        where = ""
+        try:
+            where = f" at node {e.node()} {e.node_name()!r} ({e.node_operator()})"
+        except AttributeError:  # older bindings expose only desc/code/node
+            where = f" at node {e.node()}"
+        errors.append(f"{e.code()}: {e.desc()}{where}")
+    return errors
+
+
+def build_engine(onnx_path: Path, profiles: list[Profile], *, workspace_bytes: int | None = None,
+                 progress: Callable[[str], None] | None = None) -> bytes:
+    """Parse the lowered ONNX file, add the profiles, build and return the serialized plan."""
+    say = progress or (lambda _m: None)
+    trt = import_tensorrt()
+    log: list[str] = []
+    logger = _logger(trt, log)
+    builder = trt.Builder(logger)
+    network = builder.create_network(network_flags(trt))
+    parser = trt.OnnxParser(network, logger)
+    # parse_from_file resolves the external weights next to the model
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = parser_errors(parser)
+        raise EngineBuildError(
+            f"TensorRT {trt.__version__}'s ONNX parser rejected {onnx_path.name} ({len(errors)} error(s)):\n  "
+            + "\n  ".join(errors or log or ["(no error recorded)"])
+            + "\nThe graph came out of kvexport's lowering passes: please report this with the output of `kvexport doctor`."
+        )
+    _check_network_io(network, profiles)
+    config = builder.create_builder_config()
+    if workspace_bytes:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
+    for p in profiles:
+        prof = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in p.shapes.items():
+            prof.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(prof)
+    say(f"building the TensorRT {trt.__version__} engine ({len(profiles)} profiles; this takes minutes)")
+    t0 = time.perf_counter()
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise EngineBuildError(
+            "TensorRT's builder failed:\n  " + "\n  ".join(log[-20:] or ["(no message)"])
+            + "\nTry a smaller --option max_batch / max_prefill, or report it with `kvexport doctor`."
+        )
+    say(f"engine built in {time.perf_counter() - t0:.0f}s")
+    return bytes(plan)
+
+
+def _check_network_io(network: Any, profiles: list[Profile]) -> None:
+    """The parsed network's inputs are exactly the ones the profiles shape."""
+    names = {network.get_input(i).name for i in range(network.num_inputs)}
+    want = set(profiles[0].shapes)
+    if names != want:
+        raise EngineBuildError(
+            f"the parsed network's inputs {sorted(names ^ want)} differ from the manifest's; rebuild the artifact"
+        )
+
+
+def deserialize(plan: bytes) -> tuple[Any, Any]:
+    """bytes -> (IRuntime, ICudaEngine); the caller has already checked the plan's sha256 and keeps
+    the runtime alive as long as the engine."""
+    trt = import_tensorrt()
+    log: list[str] = []
+    runtime = trt.Runtime(_logger(trt, log))
+    engine = runtime.deserialize_cuda_engine(plan)
+    if engine is None:
+        raise EngineBuildError(
+            "TensorRT could not deserialize the engine:\n  " + "\n  ".join(log[-10:] or ["(no message)"])
+            + "\nIt was probably built with another TensorRT version or GPU; load without --no-rebuild to rebuild it."
+        )
+    return runtime, engine
