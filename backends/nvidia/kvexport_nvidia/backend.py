@@ -150,8 +150,9 @@ class NvidiaBackend(Backend):
             (engine_dir / PLAN).write_bytes(plan)
             files.append(f"{ENGINE_DIR}/{PLAN}")
             fingerprint = info.fingerprint()
+        # `deferred` at the top level too: kvexport.build skips verification of an engine not built yet
         manifest.raw["target"] = {"backend": "nvidia", "precision": precision, "engine_files": files,
-                                  "fingerprint": fingerprint, "options": target_options}
+                                  "fingerprint": fingerprint, "options": target_options, "deferred": defer}
 
     # --- load -------------------------------------------------------------------------------------
     def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
@@ -165,7 +166,7 @@ class NvidiaBackend(Backend):
             raise ArtifactError(f"{folder} holds no nvidia engine; build one with `kvexport build --target nvidia`")
         reasons = self.availability()
         if reasons:
-            what = ("its engine is built at first load on the GPU machine" if target["options"].get("deferred")
+            what = ("its engine is built at first load on the GPU machine" if fp.is_deferred(target)
                     else "its TensorRT engine runs on an NVIDIA GPU")
             raise BackendUnavailableError(f"{folder}: {what}, and this machine cannot: " + "; ".join(reasons)
                                           + ". Copy the artifact to a machine with an NVIDIA GPU and TensorRT, "
@@ -240,7 +241,7 @@ class NvidiaBackend(Backend):
 # --- helpers (pure, tested without a GPU) ---------------------------------------------------------
 def unavailable_message(reasons: list[str]) -> str:
     return ("target 'nvidia' cannot build an engine here: " + "; ".join(reasons) + ". "
-            "Run the build on the GPU machine, or package the prepared IR now with `--option defer=true`: "
+            "Run the build on the GPU machine, or package the prepared IR now with `--defer` (or `--option defer=true`): "
             "the artifact then builds its TensorRT engine at first load on an NVIDIA GPU (minutes, once; cached).")
 
 

@@ -53,7 +53,7 @@ class Decision:
 
 def decide(target: dict[str, Any], current: DeviceInfo) -> Decision:
     """What to do with the artifact's engine on this machine (no side effects)."""
-    if target.get("options", {}).get("deferred"):
+    if is_deferred(target):
         return Decision(Action.BUILD, f"the engine was deferred to first load; building it for {current.describe()}")
     stored = target.get("fingerprint") or {}
     diffs = [f for f in FIELDS if str(stored.get(f)) != str(getattr(current, f))]
@@ -62,6 +62,10 @@ def decide(target: dict[str, Any], current: DeviceInfo) -> Decision:
     was = ", ".join(f"{f} {stored.get(f)!r}" for f in diffs)
     now = ", ".join(f"{f} {getattr(current, f)!r}" for f in diffs)
     return Decision(Action.REBUILD, f"the engine was built for {was}; this machine has {now}")
+
+
+def is_deferred(target: dict[str, Any]) -> bool:
+    return bool(target.get("deferred") or (target.get("options") or {}).get("deferred"))
 
 
 def require_usable(decision: Decision, *, no_rebuild: bool, artifact: Path) -> None:

@@ -1,0 +1,57 @@
+"""A Session that runs the nvidia target's lowered graph on ONNX Runtime CPU (tests only).
+
+It holds the lowered IR (fp16, cache pinned to max_seq, RoPE in (B, N, S, H) form) to the same
+slot model and fixed-capacity cache as the TensorRT session, so kvexport.verify can compare the
+graph TensorRT would import with the PyTorch reference on a machine without a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from kvexport.manifest import Manifest
+from kvexport.runtime.session import Session
+
+NP = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
+
+
+@dataclass
+class TwinState:
+    batch: int
+    caches: list[np.ndarray]
+    held: int = 0
+
+
+class OrtTwinSession(Session):
+    def __init__(self, onnx_path: Path, manifest: Manifest):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.intra_op_num_threads = 1
+        self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        self.max_seq, self.vocab_size = manifest.max_seq, manifest.config.vocab_size
+        self.pairs = manifest.kv_pairs()
+        types = {i.name: i.type for i in self.sess.get_inputs()}
+        self.cache_dtype = NP[types[self.pairs[0][0]]]
+        c = manifest.cache
+        self.cache_shape = (c["kv_heads"], self.max_seq, c["head_dim"])
+
+    def new_state(self, batch: int, capacity: int) -> TwinState:
+        assert capacity <= self.max_seq
+        return TwinState(batch, [np.zeros((batch, *self.cache_shape), self.cache_dtype) for _ in self.pairs])
+
+    def step(self, state: Any, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        B, S = input_ids.shape
+        full = np.zeros((B, 1, S, self.max_seq), dtype=np.bool_)
+        full[..., : attention_mask.shape[-1]] = attention_mask
+        feeds = {"input_ids": input_ids, "position_ids": position_ids,
+                 "write_index": np.full((B,), state.held, dtype=np.int64), "attention_mask": full}
+        feeds.update({past: c for (past, _), c in zip(self.pairs, state.caches)})
+        out = self.sess.run(["logits", *[p for _, p in self.pairs]], feeds)
+        state.caches = out[1:]
+        state.held += S
+        assert out[0].dtype == np.float32  # the lowering casts the logits back to fp32
+        return out[0][:, -1, :]
