@@ -1,0 +1,240 @@
+"""The `intel` target: OpenVINO stateful IR (KV cache as ReadValue/Assign state) on the CPU plugin."""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from kvexport.backends import Backend, BuildOptions, Capabilities, Progress
+from kvexport.errors import ArtifactError, BackendUnavailableError, InputError
+from kvexport.manifest import Manifest
+from kvexport_intel import isa, numa
+from kvexport_intel.session import KV_ITEM_BYTES, IntelSession
+
+ENGINE_DIR = "engine"
+OV_PRECISION = {"fp32": "f32", "bf16": "bf16"}
+KV_PRECISIONS = ("f32", "f16", "u8")
+BUILD_OPTIONS = ("kv_precision", "numa_node", "numa_bind", "engine")
+
+
+class IntelBackendWarning(UserWarning):
+    """The artifact runs, but not as built (e.g. bf16 artifact on a CPU without bf16 hardware)."""
+
+
+def _openvino_version() -> str | None:
+    try:
+        import openvino as ov
+    except ImportError:
+        return None
+    return str(ov.get_version())
+
+
+def _kv_precision(value: Any) -> str:
+    kv = str(value).lower()
+    if kv not in KV_PRECISIONS:
+        raise InputError(f"kv_precision must be one of {', '.join(KV_PRECISIONS)}, not {value!r} "
+                         "(--option kv_precision=u8 quantizes the cache per token and head)")
+    return kv
+
+
+def _numa_node(value: Any) -> int | None:
+    if value is None or str(value).lower() in ("auto", ""):
+        return None
+    try:
+        node = int(value)
+    except ValueError as e:
+        raise InputError(f"numa_node must be a node number or 'auto', not {value!r}") from e
+    if node < 0:
+        raise InputError(f"numa_node must be >= 0, not {node}")
+    return node
+
+
+def _flag(value: Any) -> bool:
+    return str(value).lower() not in ("0", "false", "no", "off")
+
+
+class IntelBackend(Backend):
+    name = "intel"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            name="intel",
+            description="OpenVINO CPU plugin, stateful KV cache with fused SDPA, AMX/AVX512-BF16-aware precision, NUMA pinning",
+            ir_cache_style="concat",
+            cache_policy="internal",
+            precisions=isa.PRECISIONS,
+            default_precision=isa.auto_precision(isa.read_cpu_flags()),
+            devices=("cpu",),
+            sdk=("openvino",),
+        )
+
+    def availability(self) -> list[str]:
+        if _openvino_version() is None:
+            return ["openvino is not installed (pip install 'kvexport[intel]' or pip install openvino==2026.4.1)"]
+        return []
+
+    def check(self, manifest: Manifest) -> list[str]:
+        problems = super().check(manifest)
+        if manifest.raw["ir"]["dtype"] != "float32":
+            problems.append(f"the intel target lowers fp32 IRs (it picks bf16 at compile time); "
+                            f"this IR is {manifest.raw['ir']['dtype']}")
+        if not manifest.raw["ir"]["last_token_only"]:
+            problems.append("the intel target expects an IR exported with last-token-only logits")
+        return problems
+
+    # --- build ------------------------------------------------------------------------------
+    def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
+        """Trace the owned decoder (weights from the IR) into a stateful OpenVINO IR under engine/."""
+        self.require_available()
+        extra = dict(options.extra)
+        extra.pop("defer", None)
+        unknown = sorted(set(extra) - set(BUILD_OPTIONS))
+        if unknown:
+            raise InputError(f"unknown intel options {unknown}; the intel target takes {', '.join(BUILD_OPTIONS)}")
+        if str(extra.get("engine", "openvino")).lower() != "openvino":
+            from kvexport_intel.ipex import require_ipex
+
+            require_ipex()  # raises with the reason: IPEX is end-of-life and pinned to torch 2.8
+            raise InputError("the intel target builds OpenVINO engines only; IPEX is end-of-life (see docs/backends/intel.md)")
+        flags = isa.read_cpu_flags()
+        precision = isa.normalize_precision(options.precision) if options.precision else isa.auto_precision(flags)
+        kv = _kv_precision(extra.get("kv_precision", "f32"))
+        numa_node = _numa_node(extra.get("numa_node"))
+        if numa_node is not None:
+            numa.read_topology().node(numa_node)  # fail now, not at first load, for a node that does not exist
+        problems = self.check(manifest)
+        if problems:
+            raise InputError("; ".join(problems))
+
+        import openvino as ov
+
+        from kvexport_intel import lowering
+
+        t0 = time.perf_counter()
+        progress("intel: reading weights back from the IR into the owned decoder")
+        dec = lowering.decoder_from_ir(folder, manifest)
+        progress("intel: tracing the stateful step through OpenVINO's PyTorch frontend")
+        model = lowering.convert(dec, manifest)
+        engine = folder / ENGINE_DIR
+        engine.mkdir(exist_ok=True)
+        ov.save_model(model, str(engine / lowering.XML), compress_to_fp16=False)
+        progress(f"intel: wrote {ENGINE_DIR}/{lowering.XML} in {time.perf_counter() - t0:.1f}s; checking the fused path")
+        compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"})
+        fused = lowering.fused_attention_layers(compiled)
+        ops = lowering.runtime_op_counts(compiled)
+        layers = manifest.config.num_hidden_layers
+        if fused != layers:
+            warnings.warn(f"only {fused} of {layers} attention layers compiled to OpenVINO's fused "
+                          "attention-with-KV-cache node; decode will be slower", IntelBackendWarning, stacklevel=2)
+        progress(f"intel: {fused}/{layers} layers on the fused ScaledDotProductAttention+state path; precision {precision}")
+        manifest.raw["target"] = {
+            "backend": "intel",
+            "precision": precision,
+            "engine_files": [f"{ENGINE_DIR}/{lowering.XML}", f"{ENGINE_DIR}/{lowering.BIN}"],
+            "fingerprint": {
+                "openvino": _openvino_version(),
+                **isa.fingerprint_isa(flags),
+                "precision_reason": isa.why_precision(flags) if not options.precision else f"{precision}: --precision",
+                "cpu": _cpu_model(),
+                "numa_nodes": len(numa.read_topology().nodes),
+                "fused_attention_layers": fused,
+                "runtime_ops": {k: ops[k] for k in ("ScaledDotProductAttention", "MemoryInput", "MemoryOutput", "Concatenation")},
+            },
+            "options": {"threads": options.threads, "kv_precision": kv, "numa_node": numa_node,
+                        "numa_bind": _flag(extra.get("numa_bind", True))},
+        }
+
+    # --- load -------------------------------------------------------------------------------
+    def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, **options: Any) -> IntelSession:
+        self.require_available()
+        import openvino as ov
+
+        from kvexport_intel import lowering
+
+        unknown = sorted(set(options) - {"kv_precision", "numa_node", "numa_bind", "precision"})
+        if unknown:
+            raise InputError(f"the intel target takes threads=N, precision, kv_precision, numa_node and numa_bind; not {unknown}")
+        target = manifest.target or {}
+        if target.get("backend") != "intel":
+            raise ArtifactError(f"{folder} was built for {target.get('backend')!r}, not intel")
+        built = target.get("options", {})
+        xml = folder / ENGINE_DIR / lowering.XML
+        if not xml.is_file() or not (folder / ENGINE_DIR / lowering.BIN).is_file():
+            raise ArtifactError(f"{xml} (or its .bin) is missing; rebuild with `kvexport build --target intel`")
+
+        flags = isa.read_cpu_flags()
+        wanted = isa.normalize_precision(options.get("precision") or target["precision"])
+        precision, warning = isa.runtime_precision(wanted, flags)
+        if warning:
+            warnings.warn(warning, IntelBackendWarning, stacklevel=3)
+        kv = _kv_precision(options.get("kv_precision", built.get("kv_precision", "f32")))
+
+        placement = place(options.get("numa_node", built.get("numa_node")), _flag(options.get("numa_bind", built.get("numa_bind", True))))
+        threads = threads or built.get("threads") or placement["threads"]
+        config: dict[str, Any] = {
+            "INFERENCE_PRECISION_HINT": OV_PRECISION[precision],
+            "KV_CACHE_PRECISION": kv,  # OpenVINO's default is u8 on x86: set it, or f32 is not exact
+            "KEY_CACHE_PRECISION": kv,
+            "VALUE_CACHE_PRECISION": kv,
+            "INFERENCE_NUM_THREADS": int(threads),
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+            "ENABLE_CPU_PINNING": placement["pinned"],
+        }
+        if precision == "fp32":
+            config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0  # no int8 activations anywhere in an exact run
+        core = ov.Core()  # made after pinning, so the plugin's CPU map sees the node's cores
+        try:
+            compiled = core.compile_model(core.read_model(str(xml)), "CPU", config)
+        except RuntimeError as e:
+            raise ArtifactError(f"OpenVINO could not compile {xml}: {e}; rebuild the artifact with this OpenVINO") from e
+        cfg = manifest.config
+        facts = {"threads": int(threads), "precision": precision, "kv_precision": kv, "warning": warning,
+                 "openvino": _openvino_version(), "numa": placement,
+                 "fused_attention_layers": lowering.fused_attention_layers(compiled)}
+        return IntelSession(compiled, max_seq=manifest.max_seq, vocab_size=cfg.vocab_size,
+                            num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
+                            head_dim=cfg.head_dim, facts=facts)
+
+    def doctor(self) -> dict[str, Any]:
+        flags = isa.read_cpu_flags()
+        topo = numa.read_topology()
+        return {"openvino": _openvino_version(), "amx": "present" if isa.has_amx(flags) else "absent",
+                "isa": isa.isa_report(flags), "would_pick_precision": isa.why_precision(flags),
+                "numa_nodes": {n.id: list(n.cpus) for n in topo.nodes},
+                "offline_cpus": list(topo.offline)}
+
+
+def place(numa_node: Any, bind: bool) -> dict[str, Any]:
+    """Pin this process's threads to one NUMA node and bind its memory there (an explicit node,
+    or automatically when the machine has more than one node); returns what was done."""
+    topo = numa.read_topology()
+    requested = _numa_node(numa_node)
+    if requested is None and len(topo.nodes) < 2:
+        cpus = sorted(os.sched_getaffinity(0))
+        return {"node": None, "cpus": cpus, "threads": len(cpus), "pinned": True, "memory_bound": False,
+                "nodes": len(topo.nodes)}
+    node = numa.choose_node(topo, requested)
+    cpus = numa.node_cpus_for_process(node)
+    numa.pin_process(cpus)
+    bound = False
+    if bind:
+        numa.bind_memory(node.id)
+        bound = True
+    return {"node": node.id, "cpus": cpus, "threads": len(cpus), "pinned": True, "memory_bound": bound,
+            "nodes": len(topo.nodes)}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+__all__ = ["IntelBackend", "IntelBackendWarning", "KV_ITEM_BYTES", "place"]

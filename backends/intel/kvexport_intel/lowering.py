@@ -1,0 +1,199 @@
+"""Lowering to an OpenVINO stateful IR shaped for the CPU plugin's fused attention-with-KV-cache path.
+
+The CPU plugin's StatefulSDPAFusion rewrites `ReadValue -> Gather(beam_idx) -> Concat(past, new)
+-> [Unsqueeze -> Broadcast -> Reshape for GQA] -> ScaledDotProductAttention` (with the Concat also
+feeding an Assign of the same variable) into one ScaledDotProductAttentionWithKVCache node that
+keeps the cache in its own MemoryInput/MemoryOutput buffers. The ONNX frontend's import of the
+IR's `Attention` (Tile for GQA, IsNaN/Select mask handling) does not match that pattern, so the
+graph is traced from the owned decoder with plain torch ops in exactly that shape, with the
+weights read back from the artifact's own ONNX IR (the artifact stays self-contained).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvexport.decoder import Decoder, apply_rope
+from kvexport.errors import ArtifactError
+from kvexport.manifest import Manifest
+
+XML, BIN = "openvino_model.xml", "openvino_model.bin"
+STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "beam_idx")
+
+
+# --- weights: the artifact's ONNX initializers -> the owned decoder ---------------------------
+def decoder_from_ir(folder: Path, manifest: Manifest) -> Decoder:
+    """Rebuild the canonical decoder from model.onnx(.data). The exporter stores a Linear's weight
+    either under its own name or transposed as `{module}/weight_t`; both are read back."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(folder / manifest.raw["ir"]["file"]), load_external_data=True)
+    inits = {i.name: i for i in model.graph.initializer}
+    dec = Decoder(manifest.config, manifest.max_seq, cache_style="concat", onnx_ops=False)
+    state: dict[str, Tensor] = {}
+    missing = []
+    for name, p in dec.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if name in inits:
+            arr = numpy_helper.to_array(inits[name])
+        elif name.endswith(".weight") and f"{module}/weight_t" in inits:
+            arr = numpy_helper.to_array(inits[f"{module}/weight_t"]).T
+        elif name == "lm_head.weight" and manifest.config.tie_word_embeddings:
+            continue  # tied: the same Parameter as embed_tokens.weight
+        else:
+            missing.append(name)
+            continue
+        if tuple(arr.shape) != tuple(p.shape):
+            raise ArtifactError(f"{name} in the IR has shape {arr.shape}, the config predicts {tuple(p.shape)}; "
+                                "re-export the artifact")
+        state[name] = torch.from_numpy(np.array(arr, copy=True)).to(p.dtype)  # writable copy
+    if missing:
+        raise ArtifactError(f"the IR lacks weights {missing[:4]}{'...' if len(missing) > 4 else ''}; "
+                            "it was not made by this kvexport's exporter: re-export it")
+    dec.load_state_dict(state, strict=False)
+    return dec.eval()
+
+
+# --- the traced step ------------------------------------------------------------------------
+class StatefulStep(nn.Module):
+    """forward(input_ids, position_ids, attention_mask, beam_idx, *past) -> (logits, *present).
+
+    attention_mask is float additive (B, 1, S, P+S); beam_idx int32 (B,) reorders the past rows
+    (the identity here, but the fusion pattern requires the Gather).
+    """
+
+    def __init__(self, dec: Decoder):
+        super().__init__()
+        self.dec = dec
+
+    def _attention(self, layer: nn.Module, h: Tensor, pos: Tensor, mask: Tensor, beam: Tensor,
+                   past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        dec, cfg = self.dec, self.dec.cfg
+        B, S, _ = h.shape
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        attn = layer.attn
+        q, k, v = attn.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)  # (B, S, H*D)
+        if cfg.position_kind == "rope":
+            q = apply_rope(q, dec.rope_cos, dec.rope_sin, pos, Hq, cfg.effective_rotary_dim)
+            k = apply_rope(k, dec.rope_cos, dec.rope_sin, pos, Hkv, cfg.effective_rotary_dim)
+        q = q.view(B, S, Hq, D).transpose(1, 2)  # (B, H_q, S, D)
+        k = k.view(B, S, Hkv, D).transpose(1, 2)  # (B, H_kv, S, D)
+        v = v.view(B, S, Hkv, D).transpose(1, 2)
+        k_all = torch.cat([past_k.index_select(0, beam), k], dim=2)  # (B, H_kv, P+S, D): the Assign'd state
+        v_all = torch.cat([past_v.index_select(0, beam), v], dim=2)
+        rep, T = Hq // Hkv, k_all.shape[2]
+        if rep > 1:  # unsqueeze -> expand -> reshape: the GQA broadcast the fusion recognises
+            k_rep = k_all[:, :, None].expand(B, Hkv, rep, T, D).reshape(B, Hq, T, D)
+            v_rep = v_all[:, :, None].expand(B, Hkv, rep, T, D).reshape(B, Hq, T, D)
+        else:
+            k_rep, v_rep = k_all, v_all
+        y = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask, scale=cfg.scale)  # (B, H_q, S, D)
+        y = y.transpose(1, 2).reshape(B, S, Hq * D)
+        return attn.o_proj(y), k_all, v_all
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, beam_idx: Tensor,
+                *past: Tensor) -> tuple[Tensor, ...]:
+        dec, cfg = self.dec, self.dec.cfg
+        x = dec.embed_tokens(input_ids)  # (B, S, hidden)
+        if cfg.embedding_scale is not None:
+            x = x * cfg.embedding_scale
+        if cfg.position_kind == "learned":
+            x = x + dec.embed_positions(position_ids)
+        presents: list[Tensor] = []
+        for i, layer in enumerate(dec.layers):
+            a, k, v = self._attention(layer, layer.attn_norm(x), position_ids, attention_mask, beam_idx,
+                                      past[2 * i], past[2 * i + 1])
+            if layer.parallel:
+                x = x + a + layer.mlp(layer.mlp_norm(x))
+            else:
+                x = x + a
+                x = x + layer.mlp(layer.mlp_norm(x))
+            presents += [k, v]
+        x = dec.norm(x)[:, -1:, :]  # (B, 1, hidden): only the last token's logits are used
+        logits = dec.lm_head(x)
+        if cfg.final_logit_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return (logits, *presents)
+
+
+def _example(dec: Decoder) -> tuple[Tensor, ...]:
+    cfg = dec.cfg
+    B, S, P = 2, 3, 5  # distinct sizes so no dim is specialised by coincidence
+    caches = [torch.zeros(B, cfg.num_key_value_heads, P, cfg.head_dim) for _ in range(2 * cfg.num_hidden_layers)]
+    return (torch.zeros(B, S, dtype=torch.long), torch.arange(S).repeat(B, 1), torch.zeros(B, 1, S, P + S),
+            torch.arange(B, dtype=torch.int32), *caches)
+
+
+def convert(dec: Decoder, manifest: Manifest) -> Any:
+    """Trace StatefulStep through OpenVINO's PyTorch frontend and make its KV pairs internal state."""
+    import openvino as ov
+
+    pairs = manifest.kv_pairs()
+    with torch.no_grad():
+        model = ov.convert_model(StatefulStep(dec), example_input=_example(dec))
+    names = [*STEP_INPUTS, *(p for p, _ in pairs)]
+    if len(model.inputs) != len(names):
+        raise ArtifactError(f"traced {len(model.inputs)} inputs, expected {len(names)}; the decoder and manifest disagree")
+    for port, name in zip(model.inputs, names):
+        port.get_tensor().set_names({name})
+    for port, name in zip(model.outputs, ["logits", *(o for _, o in pairs)]):
+        port.get_tensor().set_names({name})
+    make_stateful(model, pairs, manifest.cache["kv_heads"], manifest.cache["head_dim"])
+    return model
+
+
+def make_stateful(model: Any, pairs: list[tuple[str, str]], kv_heads: int, head_dim: int) -> None:
+    """Each (past input, present output) pair becomes one variable: ReadValue whose initial value is a
+    zero-length (B, H_kv, 0, D) tensor, and an Assign of the present. The CPU plugin needs the
+    initializer subgraph: a ReadValue without one fails to compile."""
+    import openvino as ov
+    import openvino.opset13 as ops
+    from openvino._pyopenvino.op import assign, read_value
+    from openvino.op.util import Variable, VariableInfo
+
+    params = {p.get_output_tensor(0).get_any_name(): p for p in model.get_parameters()}
+    results = {r.output(0).get_any_name(): r for r in model.get_results()}
+    ids = params["input_ids"]
+    batch = ops.gather(ops.shape_of(ids, "i64"), ops.constant([0], dtype=np.int64), ops.constant(0, dtype=np.int64))
+    shape = ops.concat([batch, ops.constant([kv_heads, 0, head_dim], dtype=np.int64)], 0)
+    sinks = []
+    for past, present in pairs:
+        info = VariableInfo()
+        info.variable_id = past
+        info.data_type = ov.Type.f32
+        info.data_shape = ov.PartialShape([-1, kv_heads, -1, head_dim])
+        var = Variable(info)
+        param, result = params[past], results[present]
+        init = ops.broadcast(ops.constant(0.0, dtype=np.float32), shape)  # (B, H_kv, 0, D)
+        rv = read_value(init, var)
+        param.output(0).replace(rv.output(0))
+        src = result.input_value(0)
+        sinks.append(assign(src.get_node() if src.get_node().get_output_size() == 1 else src, var))
+        model.remove_result(result)
+        model.remove_parameter(param)
+        model.add_variables([var])
+    model.add_sinks(sinks)
+    model.validate_nodes_and_infer_types()
+
+
+def runtime_op_counts(compiled: Any) -> Counter[str]:
+    """Layer types of the compiled runtime graph (what the plugin actually executes)."""
+    return Counter(str(op.get_rt_info()["layerType"].astype(str)) for op in compiled.get_runtime_model().get_ops())
+
+
+def fused_attention_layers(compiled: Any) -> int:
+    """How many runtime ScaledDotProductAttention nodes read their K/V straight from MemoryInput state."""
+    n = 0
+    for op in compiled.get_runtime_model().get_ops():
+        if op.get_rt_info()["layerType"].astype(str) != "ScaledDotProductAttention":
+            continue
+        feeds = [i.get_node().get_rt_info()["layerType"].astype(str) for i in op.input_values()]
+        n += feeds.count("MemoryInput") == 2
+    return n

@@ -1,0 +1,103 @@
+"""The intel target's Session: one compiled OpenVINO model, one InferRequest (its own KV state) per request."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvexport.errors import ContextOverflowError, InputError
+from kvexport.runtime.session import Session
+
+# Additive mask value for slots a token may not see. Finite, so that a row that sees nothing
+# (never a real token's row) stays finite instead of NaN; exp(-1e30 - max) is exactly 0.0 in
+# f32 and bf16, so visible rows are unchanged. -1e30 fits bf16's range (finfo(f32).min rounds
+# to -inf in bf16).
+MASKED = np.float32(-1e30)
+# Bytes per cached element, and per (row, head, token) the u8 cache's f32 scale + zero point.
+KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
+U8_GROUP_OVERHEAD = 8
+
+
+@dataclass
+class IntelState:
+    """One request: its own InferRequest, whose variables are this request's K/V cache."""
+
+    request: Any
+    batch: int
+    slots: int = 0
+    beam_idx: np.ndarray | None = None  # (B,) int32 identity: rows are never reordered
+    run_seconds: float = 0.0
+    steps: int = 0
+
+
+class IntelSession(Session):
+    def __init__(self, compiled: Any, *, max_seq: int, vocab_size: int, num_layers: int, kv_heads: int,
+                 head_dim: int, facts: dict[str, Any]):
+        self.compiled = compiled
+        self.max_seq, self.vocab_size = max_seq, vocab_size
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.facts = facts
+        self._pool: list[Any] = []  # reset InferRequests of finished requests: memory does not grow
+        self._lock = threading.Lock()
+
+    def describe(self) -> dict[str, Any]:
+        return {"cache_policy": "internal", "device": "cpu (OpenVINO)", **self.facts}
+
+    # --- state -----------------------------------------------------------------------------
+    def new_state(self, batch: int, capacity: int) -> IntelState:
+        if batch < 1:
+            raise InputError(f"batch must be at least 1, got {batch}")
+        if capacity > self.max_seq:
+            raise ContextOverflowError(f"the request needs {capacity} cache slots but this engine holds at most "
+                                       f"max_seq={self.max_seq}; rebuild with a larger --max-seq")
+        with self._lock:
+            request = self._pool.pop() if self._pool else self.compiled.create_infer_request()
+        request.reset_state()  # zero-length state: a new request starts with an empty cache
+        return IntelState(request, batch, beam_idx=np.arange(batch, dtype=np.int32))
+
+    def release(self, state: IntelState) -> None:
+        if state.request is None:
+            return
+        state.request.reset_state()  # frees the state buffers' contents before reuse
+        with self._lock:
+            self._pool.append(state.request)
+        state.request = None
+
+    def cache_bytes(self, state: IntelState) -> int:
+        kv = self.facts.get("kv_precision", "f32")
+        per_token = self.kv_heads * (self.head_dim * KV_ITEM_BYTES[kv] + (U8_GROUP_OVERHEAD if kv == "u8" else 0))
+        return 2 * self.num_layers * state.batch * state.slots * per_token
+
+    def cache_bytes_copied(self, state: IntelState) -> int:
+        return 0  # the plugin appends into its own state buffers; nothing is copied by kvexport
+
+    # --- step -------------------------------------------------------------------------------
+    def step(self, state: IntelState, input_ids: np.ndarray, position_ids: np.ndarray,
+             attention_mask: np.ndarray) -> np.ndarray:
+        if state.request is None:
+            raise InputError("this state was released; start a new request with new_state()")
+        B, S = input_ids.shape
+        if B != state.batch:
+            raise InputError(f"this state holds {state.batch} rows, the step gave {B}")
+        total = state.slots + S
+        if total > self.max_seq:
+            raise ContextOverflowError(f"{total} slots exceed max_seq {self.max_seq}; rebuild with a larger --max-seq")
+        if attention_mask.shape != (B, 1, S, total):
+            raise InputError(f"attention_mask has shape {attention_mask.shape}; this state holds {state.slots} slots, "
+                             f"so a step of {S} tokens needs (B, 1, S, T+S) = {(B, 1, S, total)}")
+        mask = np.where(attention_mask, np.float32(0.0), MASKED)  # (B, 1, S, T+S) additive
+        inputs = {
+            "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+            "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
+            "attention_mask": mask,
+            "beam_idx": state.beam_idx,
+        }
+        t0 = time.perf_counter()
+        state.request.infer(inputs, share_inputs=True, share_outputs=True)
+        state.run_seconds += time.perf_counter() - t0
+        state.steps += 1
+        state.slots = total
+        return state.request.get_output_tensor(0).data[:, -1, :]  # (B, vocab) float32
