@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny seeded checkpoints of every family, their IR and cpu artifacts (built once)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvexport.zoo import TINY_CONFIGS, write_checkpoint
+
+FAMILIES = sorted(TINY_CONFIGS)
+MAX_SEQ = 128
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kvx")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(workdir: Path) -> dict[str, Path]:
+    return {f: write_checkpoint(TINY_CONFIGS[f], workdir / f"ckpt-{f}", seed=7) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def artifacts(workdir: Path, checkpoints: dict[str, Path]) -> dict[str, Path]:
+    """cpu artifacts (static IR + optimized ORT graph), built lazily per family."""
+    return _LazyArtifacts(workdir, checkpoints)  # type: ignore[return-value]
+
+
+class _LazyArtifacts(dict):
+    def __init__(self, workdir: Path, checkpoints: dict[str, Path]):
+        super().__init__()
+        self.workdir, self.checkpoints = workdir, checkpoints
+
+    def __missing__(self, family: str) -> Path:
+        from kvexport.build import build
+
+        path = build(self.checkpoints[family], self.workdir / f"{family}.kvx", target="cpu", max_seq=MAX_SEQ,
+                     verify=False)
+        self[family] = path
+        return path
+
+
+class HFReference:
+    """transformers' own model class on the same folder: the numerical reference."""
+
+    def __init__(self, model_dir: Path):
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        with torch.inference_mode():
+            return self.model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.fixture(scope="session")
+def references(checkpoints: dict[str, Path]) -> dict[str, HFReference]:
+    class _Lazy(dict):
+        def __missing__(self, f: str) -> HFReference:
+            self[f] = HFReference(checkpoints[f])
+            return self[f]
+
+    return _Lazy()  # type: ignore[return-value]
+
+
+def random_ids(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 259, n)]

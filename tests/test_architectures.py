@@ -1,0 +1,168 @@
+"""The architecture table, config mapping, checkpoint reading and their typed errors."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvexport.architectures import ARCHITECTURES, config_problems, map_config
+from kvexport.checkpoint import load_checkpoint
+from kvexport.errors import CheckpointError, UnsupportedArchitectureError, UnsupportedFeatureError, WeightShapeError
+from kvexport.zoo import BENCH_125M, TINY_CONFIGS, write_checkpoint
+
+
+def test_every_registered_family_has_a_tiny_test_config() -> None:
+    missing = sorted(set(ARCHITECTURES) - set(TINY_CONFIGS))
+    assert not missing, f"families without a tiny test config in kvexport/zoo.py: {missing}"
+    for family, raw in TINY_CONFIGS.items():
+        assert raw["model_type"] == family
+        assert map_config(raw).model_type == family
+
+
+def test_tests_cover_every_tiny_config() -> None:
+    from tests.conftest import FAMILIES
+
+    assert set(FAMILIES) == set(ARCHITECTURES)
+
+
+def test_family_differences_are_data() -> None:
+    cfg = {f: map_config(TINY_CONFIGS[f]) for f in TINY_CONFIGS}
+    assert cfg["llama"].rope.type == "llama3" and cfg["llama"].rope.factor == 8.0
+    assert cfg["mistral"].sliding_window == 24
+    assert cfg["qwen2"].qkv_bias and not cfg["qwen2"].o_bias and cfg["qwen2"].tie_word_embeddings
+    g = cfg["gpt2"]
+    assert (g.position_kind, g.norm_kind, g.mlp_kind, g.activation) == ("learned", "layer", "plain", "gelu_tanh")
+    assert g.tie_word_embeddings and g.intermediate_size == 4 * g.hidden_size
+
+
+def test_bench_125m_matches_benchmarks_md() -> None:
+    c = map_config(BENCH_125M)
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (768, 12, 12, 4)
+    assert (c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (2048, 32000, 2048)
+    assert 120e6 < c.num_parameters() < 130e6
+
+
+def test_transformers_v4_rope_fields_are_read() -> None:
+    raw = {**TINY_CONFIGS["llama"], "rope_theta": 1234.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    del raw["rope_parameters"]
+    rope = map_config(raw).rope
+    assert (rope.theta, rope.type, rope.factor) == (1234.0, "linear", 2.0)
+
+
+def test_unknown_model_type_names_supported_families() -> None:
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        map_config({"model_type": "mamba"})
+    msg = str(e.value)
+    assert "mamba" in msg and all(f in msg for f in ARCHITECTURES) and "architectures.py" in msg
+
+
+@pytest.mark.parametrize(
+    "family,field,value",
+    [
+        ("llama", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+        ("llama", "hidden_act", "swiglu_fancy"),
+        ("qwen2", "use_sliding_window", True),
+        ("gpt2", "scale_attn_by_inverse_layer_idx", True),
+    ],
+)
+def test_unsupported_feature_names_the_field(family: str, field: str, value: object) -> None:
+    raw = {**TINY_CONFIGS[family], field: value}
+    with pytest.raises(UnsupportedFeatureError) as e:
+        map_config(raw)
+    assert field.split(".")[0] in str(e.value) or "rope_type" in str(e.value)
+    assert "supported" in str(e.value)
+
+
+def test_check_lists_every_problem_at_once() -> None:
+    raw = {**TINY_CONFIGS["llama"], "hidden_act": "bogus", "rope_parameters": {"rope_type": "yarn"}}
+    _, problems = config_problems(raw)
+    assert len(problems) == 2
+
+
+def test_missing_weights_file(tmp_path: Path) -> None:
+    d = write_checkpoint(TINY_CONFIGS["llama"], tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_checkpoint(d)
+
+
+def test_pickle_weights_are_refused_with_a_way_out(tmp_path: Path) -> None:
+    d = write_checkpoint(TINY_CONFIGS["llama"], tmp_path / "m")
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="safe_serialization"):
+        load_checkpoint(d)
+
+
+def test_missing_config(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_wrong_weight_shape_names_the_tensor(tmp_path: Path) -> None:
+    d = write_checkpoint(TINY_CONFIGS["llama"], tmp_path / "m")
+    t = load_file(str(d / "model.safetensors"))
+    t["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(8, 64)
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(WeightShapeError) as e:
+        load_checkpoint(d)
+    assert "model.layers.1.self_attn.k_proj.weight" in str(e.value) and "num_key_value_heads" in str(e.value)
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    d = write_checkpoint(TINY_CONFIGS["qwen2"], tmp_path / "m")
+    t = load_file(str(d / "model.safetensors"))
+    del t["model.layers.0.self_attn.q_proj.bias"]
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="q_proj.bias"):
+        load_checkpoint(d)
+
+
+def test_unknown_extra_tensor_is_an_unsupported_feature(tmp_path: Path) -> None:
+    d = write_checkpoint(TINY_CONFIGS["llama"], tmp_path / "m")
+    t = load_file(str(d / "model.safetensors"))
+    t["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(UnsupportedFeatureError, match="q_norm"):
+        load_checkpoint(d)
+
+
+def test_sharded_bf16_checkpoint_loads_like_the_single_file_one(tmp_path: Path) -> None:
+    one = load_checkpoint(write_checkpoint(TINY_CONFIGS["mistral"], tmp_path / "one", seed=3, dtype=torch.bfloat16))
+    d = write_checkpoint(TINY_CONFIGS["mistral"], tmp_path / "sharded", seed=3, dtype=torch.bfloat16, shard_bytes=20_000)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    sharded = load_checkpoint(d)
+    for (n, a), (_, b) in zip(one.decoder.state_dict().items(), sharded.decoder.state_dict().items()):
+        assert a.dtype == torch.float32 and torch.equal(a, b), n
+
+
+def test_missing_shard_is_named(tmp_path: Path) -> None:
+    d = write_checkpoint(TINY_CONFIGS["llama"], tmp_path / "m", shard_bytes=30_000)
+    shard = sorted(d.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        load_checkpoint(d)
+
+
+def test_tied_embeddings_share_one_tensor(tmp_path: Path) -> None:
+    d = write_checkpoint(TINY_CONFIGS["gpt2"], tmp_path / "g")
+    assert "lm_head.weight" not in load_file(str(d / "model.safetensors"))
+    dec = load_checkpoint(d).decoder
+    assert dec.lm_head.weight.data_ptr() == dec.embed_tokens.weight.data_ptr()
+
+
+def test_learned_positions_bound_max_seq(tmp_path: Path) -> None:
+    d = write_checkpoint(TINY_CONFIGS["gpt2"], tmp_path / "g")
+    with pytest.raises(UnsupportedFeatureError, match="--max-seq 256"):
+        load_checkpoint(d, max_seq=1024)
+
+
+def test_checkpoint_copy_keeps_source_hashes(tmp_path: Path) -> None:
+    d = write_checkpoint(TINY_CONFIGS["llama"], tmp_path / "a")
+    e = tmp_path / "b"
+    shutil.copytree(d, e)
+    assert load_checkpoint(d).source_hashes == load_checkpoint(e).source_hashes
