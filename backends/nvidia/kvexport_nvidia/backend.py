@@ -88,7 +88,7 @@ class NvidiaBackend(Backend):
             reasons.append("TensorRT is not installed (on the GPU machine: `pip install 'tensorrt>=10.15'`)")
         smi, why = fp.nvidia_smi()
         if smi is None:
-            reasons.append(f"no NVIDIA GPU is visible ({why}); TensorRT engines build and run only on one")
+            reasons.append(f"no NVIDIA GPU is visible ({why}), and TensorRT engines build and run only on one")
         if torch_cuda_build() is None:
             reasons.append("this torch is a CPU-only build, and the nvidia runtime keeps the cache in torch.cuda "
                            "tensors (install a CUDA build of torch on the GPU machine)")

@@ -95,7 +95,7 @@ def nvidia_smi() -> tuple[dict[str, str] | None, str]:
     """(first GPU's name/driver/compute capability, or None) and why not, from nvidia-smi."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
-        return None, "no NVIDIA driver found (nvidia-smi is not on PATH)"
+        return None, "nvidia-smi is not on PATH: no NVIDIA driver is installed"
     try:
         out = subprocess.run(
             [exe, "--query-gpu=name,driver_version,compute_cap", "--format=csv,noheader"],
