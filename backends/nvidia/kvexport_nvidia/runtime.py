@@ -105,7 +105,9 @@ class TrtSession(Session):
             ctx = self._engine.create_execution_context()
             if ctx is None:
                 raise EngineBuildError("TensorRT could not create an execution context (out of GPU memory?)")
-            ctx.set_optimization_profile_async(index, stream.cuda_stream)
+            if not ctx.set_optimization_profile_async(index, stream.cuda_stream):
+                raise EngineBuildError(f"TensorRT refused optimization profile {index} for a new context; "
+                                       "rebuild the engine with this kvexport")
             contexts.append(ctx)
         return _State(batch=batch, capacity=capacity, caches=caches, stream=stream, contexts=contexts)
 

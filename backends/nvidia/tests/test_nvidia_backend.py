@@ -223,3 +223,11 @@ def test_cli_build_without_gpu_has_no_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
     assert "TensorRT is not installed" in r.stderr and "--defer" in r.stderr
     assert not (tmp_path / "x.kvx").exists()
+
+
+@pytest.mark.skipif(not NvidiaBackend().availability(), reason="this machine can run the GPU check")
+def test_gpu_check_script_says_what_is_missing() -> None:
+    script = Path(__file__).resolve().parents[1] / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3 and "Traceback" not in r.stderr
+    assert "cannot run here" in r.stderr and "TensorRT" in r.stderr
