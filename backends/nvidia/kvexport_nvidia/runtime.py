@@ -147,10 +147,9 @@ class TrtSession(Session):
             raise InputError(f"this state holds {state.batch} rows; the step has {B}")
         if mask.shape != (B, 1, S, state.held + S):
             raise InputError(f"attention_mask must be (B, 1, S, T+S) = {(B, 1, S, state.held + S)}, got {mask.shape}")
-        if state.held + S > state.capacity:
+        if state.held + S > self.max_seq:  # the cache is max_seq long whatever capacity was asked
             raise ContextOverflowError(
-                f"the step needs {state.held + S} cache slots; the state was made for {state.capacity} "
-                f"(engine max_seq {self.max_seq})"
+                f"the step needs {state.held + S} cache slots; this engine's cache holds max_seq={self.max_seq}"
             )
         return B, S
 
