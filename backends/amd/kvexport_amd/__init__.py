@@ -1,0 +1,207 @@
+"""AmdBackend: the owned decoder through torch.export and AOTInductor for ROCm (the CPU elsewhere), HIP-graph decode."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from kvexport.backends import Backend, BuildOptions, Capabilities, Progress
+from kvexport.checkpoint import sha256_file
+from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, UnsupportedFeatureError
+from kvexport.manifest import Manifest
+
+from kvexport_amd import device as dv
+
+ENGINE_DIR = "engine"
+PACKAGE = "model.pt2"
+BUILD_OPTIONS = {"device", "model_dir"}
+LOAD_OPTIONS = {"graphs", "threads"}
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+class AmdBackend(Backend):
+    name = "amd"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            name="amd",
+            description="torch.export + AOTInductor package compiled for the ROCm GPU (the CPU where there is "
+                        "none), cache updated in place, decode step captured as a HIP graph",
+            ir_cache_style="static",
+            cache_policy="fixed",  # cache_len is compiled static at max_seq: graph capture needs fixed addresses
+            precisions=("fp16", "bf16", "fp32"),
+            default_precision=self._default_precision(dv.gpu_present()),
+            devices=("rocm", "cuda", "cpu"),
+            sdk=("torch",),
+            deferred_build=False,
+            threads_option=True,
+        )
+
+    @staticmethod
+    def _default_precision(gpu: bool) -> str:
+        if not gpu:
+            return "fp32"
+        import torch
+
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+    def availability(self) -> list[str]:
+        import torch
+
+        reasons = []
+        if not hasattr(torch._C, "_aoti"):
+            reasons.append(f"this torch ({torch.__version__}) lacks AOTInductor (torch._C._aoti); install torch >= 2.6")
+        return reasons
+
+    def check(self, manifest: Manifest) -> list[str]:
+        problems = super().check(manifest)
+        if manifest.cache.get("quantization"):
+            problems.append(f"the amd target keeps the cache in the model dtype; this artifact asks for "
+                            f"{manifest.cache['quantization']} cache quantization")
+        if manifest.raw["ir"]["dtype"] not in ("float32", "float16", "bfloat16"):
+            problems.append(f"the amd target compiles float IR; this one is {manifest.raw['ir']['dtype']}")
+        return problems
+
+    # --- build ----------------------------------------------------------------------------------
+    def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
+        import torch
+
+        from kvexport_amd import lowering
+
+        # every refusal comes before the minutes of compiling
+        extra = dict(options.extra)
+        unknown = sorted(set(extra) - BUILD_OPTIONS)
+        if unknown:
+            raise InputError(f"unknown amd option(s) {unknown}; supported: {', '.join(sorted(BUILD_OPTIONS))}")
+        self.require_available()
+        problems = self.check(manifest)
+        if problems:
+            raise UnsupportedFeatureError("; ".join(problems))
+        info = dv.select(str(extra.get("device", "auto")))  # type: ignore[arg-type]
+        precision = options.precision or self._default_precision(info.kind != "cpu")
+        if precision not in lowering.DTYPES:
+            raise InputError(f"the amd target compiles fp16, bf16 or fp32, not {precision!r}")
+        if info.kind == "cpu" and precision != "fp32":
+            raise UnsupportedFeatureError(
+                f"{precision} is for the GPU; on the CPU the amd target compiles fp32 (pass --precision fp32, or "
+                f"build on the ROCm machine). No GPU here: {dv.no_gpu_reason()}"
+            )
+        if precision == "bf16" and info.kind != "cpu" and not torch.cuda.is_bf16_supported():
+            raise UnsupportedFeatureError(f"{info.name} has no bf16 support; pass --precision fp16")
+        if options.max_batch < 1:
+            raise InputError(f"max_batch must be at least 1, got {options.max_batch}")
+        if dv.cxx_compiler() is None:
+            raise BackendUnavailableError("AOTInductor compiles C++ at build time and no C++ compiler was found; "
+                                          "install g++ (apt-get install g++) or set CXX")
+        model_dir = extra.get("model_dir")
+
+        t0 = time.perf_counter()
+        progress(f"amd: building for {info.kind} ({info.name}), {precision}, cache_len {manifest.max_seq}, "
+                 f"batch 1..{options.max_batch}")
+        if model_dir:
+            decoder = lowering.decoder_from_checkpoint(Path(model_dir), manifest)
+        else:
+            decoder = lowering.decoder_from_ir(folder, manifest)
+        program = lowering.export_program(decoder, max_batch=options.max_batch, dtype=lowering.DTYPES[precision],
+                                          device=info.torch_device)
+        t_export = time.perf_counter() - t0
+        progress(f"amd: torch.export done in {t_export:.1f}s; compiling with AOTInductor (minutes on a small CPU)")
+        engine = folder / ENGINE_DIR / PACKAGE
+        lowering.compile_package(program, engine, threads=options.threads)
+        lowering.inspect_package(engine)
+        seconds = time.perf_counter() - t0
+        progress(f"amd: wrote {engine.relative_to(folder)} ({engine.stat().st_size / 1e6:.1f} MB) in {seconds:.1f}s")
+        manifest.raw["target"] = {
+            "backend": "amd",
+            "precision": precision,
+            "engine_files": [f"{ENGINE_DIR}/{PACKAGE}"],
+            "fingerprint": info.fingerprint(),
+            "options": {
+                "device_kind": info.kind, "max_batch": options.max_batch, "cache_len": manifest.max_seq,
+                "threads": options.threads, "source": "model_dir" if model_dir else "ir",
+                "export_seconds": round(t_export, 2), "build_seconds": round(seconds, 2),
+            },
+        }
+
+    # --- load -----------------------------------------------------------------------------------
+    def load(self, folder: Path, manifest: Manifest, **options: Any) -> Any:
+        """Open the package only after its sha256 matches the manifest and its fingerprint fits here.
+
+        kvexport.load runs check_integrity on the whole folder before calling this; the engine
+        file is checked again here so that no caller can reach the native loader with an unchecked
+        library.
+        """
+        import torch
+
+        from kvexport_amd import lowering
+        from kvexport_amd.session import AotiSession
+
+        unknown = sorted(set(options) - LOAD_OPTIONS)
+        if unknown:
+            raise InputError(f"unknown amd load option(s) {unknown}; supported: {', '.join(sorted(LOAD_OPTIONS))}")
+        target = manifest.target
+        if not target or target.get("backend") != "amd":
+            raise ArtifactError(f"{folder} was not built for the amd target (target: "
+                                f"{(target or {}).get('backend')}); build it with `kvexport build --target amd`")
+        self.require_available()
+        rel = target["engine_files"][0]
+        path = folder / rel
+        digest = manifest.raw["files"].get(rel)
+        if digest is None:
+            raise ArtifactError(f"manifest.json lists no sha256 for {rel}; rebuild the artifact")
+        if not path.is_file() or sha256_file(path) != digest:
+            raise ArtifactError(f"{path} is missing or does not match its sha256 in manifest.json; kvexport never "
+                                "loads such a library. Rebuild with `kvexport build --target amd`")
+        built = target["fingerprint"]
+        kind = built.get("device_kind")
+        if kind == "cpu":
+            here = dv.probe_cpu()
+        elif dv.gpu_present():
+            here = dv.probe_gpu()
+        else:
+            raise BackendUnavailableError(f"this artifact was compiled for a {kind} GPU ({built.get('device_name')}) "
+                                          f"and this machine has none: {dv.no_gpu_reason()}")
+        problems = dv.mismatches(built, here)
+        if problems:
+            raise ArtifactError("the amd package does not fit this machine: " + "; ".join(problems)
+                                + ". AOTInductor code is compiled for one device and torch: rebuild here with "
+                                "`kvexport build MODEL_DIR --target amd`")
+        lowering.inspect_package(path)
+        gpu = kind != "cpu"
+        use_graph = _truthy(options.get("graphs", gpu))
+        if options.get("threads"):
+            torch.set_num_threads(int(options["threads"]))  # the ATen kernels the package calls (attention, GEMM)
+        # run_single_threaded drops the runner's internal pool, which graph capture cannot live with
+        runner = torch._C._aoti.AOTIModelPackageLoader(str(path), lowering.MODEL_NAME, gpu, 1, -1)
+        cfg = manifest.config
+        return AotiSession(
+            runner, device=here.torch_device, dtype=lowering.DTYPES[target["precision"]],
+            num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+            max_seq=manifest.max_seq, vocab_size=cfg.vocab_size, max_batch=int(target["options"]["max_batch"]),
+            use_graph=use_graph,
+            facts={"backend": "amd", "device": here.kind, "device_name": here.name,
+                   "precision": target["precision"], "gfx_arch": here.gfx_arch},
+        )
+
+    # --- doctor ---------------------------------------------------------------------------------
+    def doctor(self) -> dict[str, Any]:
+        import torch
+
+        facts: dict[str, Any] = {
+            "torch": torch.__version__,
+            "rocm": torch.version.hip is not None,
+            "hip_version": torch.version.hip,
+            "cuda_version": torch.version.cuda,
+            "cxx_compiler": dv.cxx_compiler(),
+        }
+        if dv.gpu_present():
+            info = dv.probe_gpu()
+            facts.update(gpu=info.name, gfx_arch=info.gfx_arch, compute_capability=info.compute_capability,
+                         builds_for=info.kind)
+        else:
+            facts.update(gpu=None, gfx_arch=None, builds_for="cpu", note=dv.no_gpu_reason())
+        facts["cpu_flags"] = " ".join(dv.cpu_flags())
+        return facts

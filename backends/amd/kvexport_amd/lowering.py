@@ -1,0 +1,207 @@
+"""The owned decoder (from the artifact's IR weights) -> torch.export -> an AOTInductor package (.pt2)."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kvexport.errors import ArtifactError, CheckpointError
+from kvexport.manifest import Manifest
+
+MODEL_NAME = "model"  # the name aoti_compile_and_package gives the one model in the package
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Entries of a .pt2 that torch's Python loader would unpickle (torch.load) or deserialize into an
+# ExportedProgram. The package this backend writes holds only the compiled library (weights inside
+# the .so: aot_inductor.package_constants_in_so), its C++ source and JSON metadata; anything else
+# is refused before the native loader sees the file.
+_FORBIDDEN_DIRS = ("data/weights/", "data/constants/", "data/sample_inputs/", "models/")
+_FORBIDDEN_SUFFIXES = (".pkl", ".pt", ".pth", ".bin", ".pickle")
+
+
+# --- weights --------------------------------------------------------------------------------
+def decoder_from_ir(folder: Path, manifest: Manifest) -> nn.Module:
+    """Rebuild the owned Decoder (plain torch, static cache) from the weights in model.onnx.
+
+    The IR is the contract between frontend and backend: building from it (rather than from the
+    source checkpoint, which may be gone) also lets a later machine recompile the same artifact.
+    Initializers carry the decoder's parameter names; a MatMul weight is stored transposed as
+    `{module}/weight_t` (kvexport.export.finalize_graph).
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    from kvexport.decoder import Decoder, rope_tables
+
+    cfg = manifest.config
+    model = onnx.load(str(folder / manifest.raw["ir"]["file"]), load_external_data=True)
+    inits = {i.name: i for i in model.graph.initializer}
+    with torch.device("meta"):
+        dec = Decoder(cfg, manifest.max_seq, cache_style="static",
+                      last_token_only=bool(manifest.raw["ir"]["last_token_only"]), onnx_ops=False)
+    state: dict[str, Tensor] = {}
+    missing: list[str] = []
+    for name, param in dec.named_parameters():  # a tied lm_head appears once, as embed_tokens.weight
+        module, leaf = name.rsplit(".", 1)
+        candidates = [(name, False), (f"{module}/{leaf}_t", True)]
+        if cfg.tie_word_embeddings and name == "embed_tokens.weight":
+            candidates += [("lm_head.weight", False), ("lm_head/weight_t", True)]
+        found = next(((n, t) for n, t in candidates if n in inits), None)
+        if found is None:
+            missing.append(name)
+            continue
+        arr = torch.from_numpy(numpy_helper.to_array(inits[found[0]]).copy())
+        arr = arr.t() if found[1] else arr
+        if tuple(arr.shape) != tuple(param.shape):
+            raise ArtifactError(f"IR weight {found[0]} has shape {tuple(arr.shape)}, the decoder expects "
+                                f"{tuple(param.shape)} for {name}; rebuild the artifact with `kvexport build`")
+        state[name] = arr.float().contiguous()
+    if missing:
+        raise ArtifactError(
+            f"the IR in {folder} has no weight for {len(missing)} decoder parameter(s) ({', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''}); it was written by another kvexport version. Rebuild it, or "
+            "pass the source checkpoint: --option model_dir=PATH"
+        )
+    dec = dec.to_empty(device="cpu")
+    dec.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        dec.lm_head.weight = dec.embed_tokens.weight
+    if cfg.position_kind == "rope":
+        dec.rope_cos, dec.rope_sin = rope_tables(cfg, manifest.max_seq)  # built on meta above
+    return dec.eval().requires_grad_(False)
+
+
+def decoder_from_checkpoint(model_dir: Path, manifest: Manifest) -> nn.Module:
+    """The same decoder read from the source checkpoint; its files must be the ones the IR came from."""
+    from kvexport.checkpoint import load_checkpoint
+
+    ck = load_checkpoint(model_dir, manifest.max_seq, torch.float32, cache_style="static", onnx_ops=False,
+                         last_token_only=bool(manifest.raw["ir"]["last_token_only"]))
+    expected = manifest.raw["model"]["source_files"]
+    if expected and ck.source_hashes != expected:
+        raise CheckpointError(f"{model_dir} is not the checkpoint this artifact was exported from (its files' "
+                              "sha256 differ from manifest.model.source_files); pass the right folder or drop "
+                              "--option model_dir to build from the artifact's own IR")
+    return ck.decoder
+
+
+# --- in-place cache write -------------------------------------------------------------------
+def _write_rows_inplace(cache: Tensor, update: Tensor, write_index: Tensor) -> Tensor:
+    """cache[b, :, write_index[b] + s] = update[b, :, s] in place; returns cache itself.
+
+    cache (B, H_kv, L, D), update (B, H_kv, S, D), write_index (B,). Traced by torch.export as
+    index_put on a graph input, which Inductor keeps in place (the gpt-fast KV-cache pattern);
+    the decoder's functional scatter instead compiles to two whole-cache copies per layer.
+    """
+    B, H, S, D = update.shape
+    rows = write_index[:, None] + torch.arange(S, device=update.device)[None, :]  # (B, S)
+    batch = torch.arange(B, device=update.device)[:, None]  # (B, 1)
+    cache[batch, :, rows] = update.transpose(1, 2)  # indexed view is (B, S, H_kv, D)
+    return cache
+
+
+_patch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def inplace_cache_writes() -> Iterator[None]:
+    """While tracing, make the owned decoder's static cache write mutate the cache input.
+
+    kvexport.decoder has no switch for this, so its module-level `scatter_rows` (looked up at
+    call time by Attention.forward) is swapped for the duration of the trace and restored after.
+    """
+    import kvexport.decoder as kd
+
+    with _patch_lock:
+        original = kd.scatter_rows
+        kd.scatter_rows = _write_rows_inplace
+        try:
+            yield
+        finally:
+            kd.scatter_rows = original
+
+
+class LogitsOnly(nn.Module):
+    """forward(input_ids, position_ids, write_index, attention_mask, *past) -> float32 logits.
+
+    The caches are updated in place, so the presents the decoder returns (the same tensors) are
+    dropped: an output aliasing an input would make AOTInductor copy it.
+    """
+
+    def __init__(self, decoder: nn.Module):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, write_index: Tensor, attention_mask: Tensor,
+                *past: Tensor) -> Tensor:
+        return self.decoder(input_ids, position_ids, write_index, attention_mask, *past)[0].float()
+
+
+# --- export and compile ---------------------------------------------------------------------
+def example_inputs(decoder: nn.Module, batch: int, seq: int, cache_len: int, dtype: torch.dtype,
+                   device: str) -> tuple[Tensor, ...]:
+    cfg = decoder.cfg
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    pos = torch.arange(seq, device=device)[None].expand(batch, seq).contiguous()
+    mask = torch.ones(batch, 1, seq, cache_len, dtype=torch.bool, device=device)
+    caches = [torch.zeros(decoder.cache_shape(batch, cache_len), dtype=dtype, device=device)
+              for _ in range(2 * cfg.num_hidden_layers)]
+    return (ids, pos, torch.zeros(batch, dtype=torch.long, device=device), mask, *caches)
+
+
+def export_program(decoder: nn.Module, *, max_batch: int, dtype: torch.dtype,
+                   device: str) -> torch.export.ExportedProgram:
+    """torch.export with dynamic batch and seq; cache_len static at max_seq (graph capture needs it)."""
+    cache_len = decoder.max_seq
+    decoder = decoder.to(device=device, dtype=dtype)  # rope tables follow: apply_rope keeps the model dtype
+    Dim = torch.export.Dim
+    # batch 2 and seq 3 as examples so neither is specialised to 1; a limit of 1 keeps it static
+    batch = Dim("batch", min=1, max=max_batch) if max_batch > 1 else None
+    seq = Dim("seq", min=1, max=cache_len) if cache_len > 1 else None
+    args = example_inputs(decoder, 2 if batch else 1, 3 if seq else 1, cache_len, dtype, device)
+    row = {0: batch} if batch else {}
+    dynamic = (
+        {**row, **({1: seq} if seq else {})},  # input_ids (B, S)
+        {**row, **({1: seq} if seq else {})},  # position_ids (B, S)
+        dict(row),  # write_index (B,)
+        {**row, **({2: seq} if seq else {})},  # attention_mask (B, 1, S, cache_len)
+        tuple(dict(row) for _ in args[4:]),  # past (B, H_kv, cache_len, D)
+    )
+    with inplace_cache_writes(), torch.no_grad():
+        return torch.export.export(LogitsOnly(decoder), args, dynamic_shapes=dynamic, strict=False)
+
+
+def compile_package(program: torch.export.ExportedProgram, path: Path, *, threads: int | None) -> Path:
+    """AOTInductor: C++ (CPU) or Triton (GPU) kernels plus a wrapper, compiled into one .pt2."""
+    configs: dict[str, Any] = {"aot_inductor.package_constants_in_so": True}  # no pickled weights file
+    if threads:
+        configs["cpp.threads"] = int(threads)  # CPU kernels bake their OpenMP thread count in
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    out = torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+    return Path(out)
+
+
+def inspect_package(path: Path) -> list[str]:
+    """Members of a .pt2, after refusing any that torch would unpickle; it must hold the model's library."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ArtifactError(f"{path} is not an AOTInductor package ({e}); rebuild with `kvexport build --target amd`") from e
+    bad = [n for n in names
+           if any(f"/{d}" in f"/{n}" for d in _FORBIDDEN_DIRS) or n.lower().endswith(_FORBIDDEN_SUFFIXES)]
+    if bad:
+        raise ArtifactError(f"{path} holds entries that would be unpickled on load ({', '.join(bad[:4])}); "
+                            "kvexport loads only packages with the weights inside the compiled library. Rebuild "
+                            "it with `kvexport build --target amd`")
+    if not any(f"data/aotinductor/{MODEL_NAME}/" in n and n.endswith(".so") for n in names):
+        raise ArtifactError(f"{path} has no compiled library for model {MODEL_NAME!r}; rebuild it with "
+                            "`kvexport build --target amd`")
+    return names
