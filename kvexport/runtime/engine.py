@@ -262,22 +262,26 @@ class Engine:
             raise InputError("stream takes one prompt; use generate for batches")
         params = SamplingParams(temperature, top_k, top_p, seed)
         ids: list[int] = []
-        emitted = ""
+        emitted, held = "", 0
         stop_strs = [s for s in stop if isinstance(s, str)]
-        for _batch, tokens, _live in self._steps(prompt, max_new_tokens, params, [s for s in stop if isinstance(s, int)]):
+        stop_ids = set(self.eos_ids) | {s for s in stop if isinstance(s, int)}
+        for _batch, tokens, _live in self._steps(prompt, max_new_tokens, params, stop):
             t = int(tokens[0])
-            if t in self.eos_ids or t in stop:
-                return
             ids.append(t)
             text = self.decode_text(ids) or ""
-            if any(s in text for s in stop_strs):
-                cut = min(text.index(s) for s in stop_strs if s in text)
-                if cut > len(emitted):
-                    yield StreamEvent(t, text[len(emitted):cut], len(ids) - 1)
-                return
-            delta = "" if text.endswith("\ufffd") else text[len(emitted):]  # wait for the rest of a UTF-8 char
+            final = t in stop_ids or len(ids) == max_new_tokens
+            hits = [text.index(s) for s in stop_strs if s in text]
+            if hits:
+                text, final = text[: min(hits)], True
+            if not final and text.endswith("\ufffd") and held < 3:
+                held += 1  # wait for the rest of a multi-byte UTF-8 character (at most 4 bytes)
+                delta = ""
+            else:
+                delta, held = text[len(emitted):], 0
             emitted += delta
             yield StreamEvent(t, delta, len(ids) - 1)
+            if final:
+                return
 
 
 def _is_id_list(p: Any) -> bool:
