@@ -217,7 +217,8 @@ class TrtSession(Session):
                     raise EngineBuildError("TensorRT execute_async_v3 failed; see the TensorRT log above")
                 state.stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=state.stream):
+                # thread_local: other threads' CUDA calls (their own states) may go on during capture
+                with torch.cuda.graph(graph, stream=state.stream, capture_error_mode="thread_local"):
                     ctx.execute_async_v3(state.stream.cuda_stream)
                 state.graph = graph
             return logits[:, -1, :].float().cpu().numpy()
