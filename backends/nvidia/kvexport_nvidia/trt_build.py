@@ -4,6 +4,7 @@ TensorRT is imported inside these functions only: the module imports on machines
 """
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +41,7 @@ def import_tensorrt() -> Any:
 def version_tuple(version: str) -> tuple[int, ...]:
     out = []
     for part in version.split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
+        digits = re.match(r"\d*", part).group()  # type: ignore[union-attr]  # leading digits: "0rc1" -> 0
         out.append(int(digits) if digits else 0)
     return tuple(out)
 

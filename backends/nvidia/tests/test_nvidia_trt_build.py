@@ -1,0 +1,159 @@
+"""Engine-build error paths, with a stand-in `tensorrt` module (the real one needs a GPU).
+
+The stand-in only records calls and returns what a failing TensorRT returns (False, None); it
+checks that kvexport surfaces every parser error and the builder log, refuses old TensorRT
+versions, and asks for a strongly typed network.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvexport.errors import BackendUnavailableError
+from kvexport_nvidia import trt_build
+from kvexport_nvidia.profiles import Profile
+from kvexport_nvidia.trt_build import EngineBuildError, build_engine, import_tensorrt, network_flags, version_tuple
+
+
+class _Error:
+    def __init__(self, i: int):
+        self.i = i
+
+    def code(self) -> str:
+        return "ErrorCode.UNSUPPORTED_NODE"
+
+    def desc(self) -> str:
+        return f"problem {self.i}"
+
+    def node(self) -> int:
+        return 10 + self.i
+
+    def node_name(self) -> str:
+        return f"layers.{self.i}.attn/Attention_0"
+
+    def node_operator(self) -> str:
+        return "Attention"
+
+
+def fake_trt(version: str = "10.15.1", *, parse_ok: bool = False, plan: bytes | None = None) -> types.ModuleType:
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = version  # type: ignore[attr-defined]
+    calls: dict[str, Any] = {"shapes": [], "profiles": 0}
+    trt.calls = calls  # type: ignore[attr-defined]
+
+    class ILogger:
+        class Severity:
+            ERROR, WARNING, INFO = 1, 2, 3
+
+        def __init__(self) -> None:
+            pass
+
+    class Network:
+        num_inputs = 1
+
+        def get_input(self, i: int) -> Any:
+            return types.SimpleNamespace(name="input_ids")
+
+    class Builder:
+        def __init__(self, logger: Any):
+            self.logger = logger
+
+        def create_network(self, flags: int) -> Network:
+            calls["flags"] = flags
+            return Network()
+
+        def create_builder_config(self) -> Any:
+            return types.SimpleNamespace(
+                set_memory_pool_limit=lambda pool, n: calls.__setitem__("workspace", n),
+                add_optimization_profile=lambda p: calls.__setitem__("profiles", calls["profiles"] + 1))
+
+        def create_optimization_profile(self) -> Any:
+            return types.SimpleNamespace(set_shape=lambda *a: calls["shapes"].append(a))
+
+        def build_serialized_network(self, network: Any, config: Any) -> bytes | None:
+            self.logger.log(ILogger.Severity.ERROR, "out of memory while building tactic")
+            return plan
+
+    class OnnxParser:
+        num_errors = 2
+
+        def __init__(self, network: Any, logger: Any):
+            pass
+
+        def parse_from_file(self, path: str) -> bool:
+            calls["parsed"] = path
+            return parse_ok
+
+        def get_error(self, i: int) -> _Error:
+            return _Error(i)
+
+    trt.ILogger, trt.Builder, trt.OnnxParser = ILogger, Builder, OnnxParser  # type: ignore[attr-defined]
+    trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=1)  # type: ignore[attr-defined]
+    trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE=0)  # type: ignore[attr-defined]
+    return trt
+
+
+PROFILES = [Profile("prefill", {"input_ids": ((1, 1), (1, 8), (2, 16))}),
+            Profile("decode", {"input_ids": ((1, 1), (1, 1), (2, 1))})]
+
+
+def test_missing_tensorrt_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import raises ImportError
+    with pytest.raises(BackendUnavailableError, match=r"pip install tensorrt"):
+        import_tensorrt()
+
+
+def test_old_tensorrt_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_trt("10.8.0.43"))
+    with pytest.raises(BackendUnavailableError, match="10.8.0.43 lacks the KV-cache update"):
+        import_tensorrt()
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_trt("11.4.0.106"))
+    assert import_tensorrt().__version__ == "11.4.0.106"
+
+
+def test_versions_and_flags() -> None:
+    assert version_tuple("10.15.1.29") == (10, 15, 1) and version_tuple("11.0.0rc1") == (11, 0, 0)
+    assert network_flags(fake_trt()) == 1 << 1
+    no_flag = types.SimpleNamespace(NetworkDefinitionCreationFlag=types.SimpleNamespace())
+    assert network_flags(no_flag) == 0
+
+
+def test_every_parser_error_is_surfaced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_trt(parse_ok=False))
+    with pytest.raises(EngineBuildError) as e:
+        build_engine(tmp_path / "prepared.onnx", PROFILES)
+    msg = str(e.value)
+    assert "2 error(s)" in msg and "problem 0" in msg and "problem 1" in msg
+    assert "layers.1.attn/Attention_0" in msg and "(Attention)" in msg and "UNSUPPORTED_NODE" in msg
+
+
+def test_builder_failure_shows_its_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    trt = fake_trt(parse_ok=True, plan=None)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    with pytest.raises(EngineBuildError, match="out of memory while building tactic"):
+        build_engine(tmp_path / "prepared.onnx", PROFILES, workspace_bytes=1 << 30)
+    assert trt.calls["flags"] == 2 and trt.calls["workspace"] == 1 << 30  # type: ignore[attr-defined]
+
+
+def test_profiles_reach_the_builder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    trt = fake_trt(parse_ok=True, plan=b"PLAN")
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    assert build_engine(tmp_path / "prepared.onnx", PROFILES) == b"PLAN"
+    assert trt.calls["profiles"] == 2  # type: ignore[attr-defined]
+    assert trt.calls["shapes"] == [("input_ids", (1, 1), (1, 8), (2, 16)), ("input_ids", (1, 1), (1, 1), (2, 1))]  # type: ignore[attr-defined]
+    assert trt.calls["parsed"] == str(tmp_path / "prepared.onnx")  # type: ignore[attr-defined]
+
+
+def test_network_inputs_must_match_the_profiles(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_trt(parse_ok=True, plan=b"P"))
+    extra = [Profile("prefill", {"input_ids": ((1, 1),) * 3, "write_index": ((1,),) * 3})]
+    with pytest.raises(EngineBuildError, match="write_index"):
+        build_engine(tmp_path / "prepared.onnx", extra)
+
+
+def test_module_never_imports_tensorrt_at_import() -> None:
+    assert "tensorrt" not in vars(trt_build)
