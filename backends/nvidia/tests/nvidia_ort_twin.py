@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from kvexport.errors import ContextOverflowError
 from kvexport.manifest import Manifest
 from kvexport.runtime.session import Session
 
@@ -40,7 +41,8 @@ class OrtTwinSession(Session):
         self.cache_shape = (c["kv_heads"], self.max_seq, c["head_dim"])
 
     def new_state(self, batch: int, capacity: int) -> TwinState:
-        assert capacity <= self.max_seq
+        if capacity > self.max_seq:  # as the TensorRT session does
+            raise ContextOverflowError(f"{capacity} slots exceed max_seq {self.max_seq}")
         return TwinState(batch, [np.zeros((batch, *self.cache_shape), self.cache_dtype) for _ in self.pairs])
 
     def step(self, state: Any, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
