@@ -39,15 +39,22 @@ def decoder_from_ir(folder: Path, manifest: Manifest) -> Decoder:
     dec = Decoder(manifest.config, manifest.max_seq, cache_style="concat", onnx_ops=False)
     state: dict[str, Tensor] = {}
     missing = []
+    tied = manifest.config.tie_word_embeddings
     for name, p in dec.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if name in inits:
-            arr = numpy_helper.to_array(inits[name])
-        elif name.endswith(".weight") and f"{module}/weight_t" in inits:
-            arr = numpy_helper.to_array(inits[f"{module}/weight_t"]).T
-        elif name == "lm_head.weight" and manifest.config.tie_word_embeddings:
-            continue  # tied: the same Parameter as embed_tokens.weight
-        else:
+        if tied and name == "lm_head.weight":
+            continue  # the same Parameter as embed_tokens.weight
+        # tied tables are stored once, under whichever name the exporter met first
+        aliases = [name, "lm_head.weight"] if tied and name == "embed_tokens.weight" else [name]
+        arr = None
+        for alias in aliases:
+            module = alias.rsplit(".", 1)[0]
+            if alias in inits:
+                arr = numpy_helper.to_array(inits[alias])
+            elif alias.endswith(".weight") and f"{module}/weight_t" in inits:
+                arr = numpy_helper.to_array(inits[f"{module}/weight_t"]).T
+            if arr is not None:
+                break
+        if arr is None:
             missing.append(name)
             continue
         if tuple(arr.shape) != tuple(p.shape):

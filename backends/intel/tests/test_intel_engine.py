@@ -1,0 +1,173 @@
+"""The intel target end to end on tiny configs: numerics against transformers, the fused path, API and errors."""
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvexport
+from kvexport.errors import ArtifactError, ContextOverflowError, InputError
+from kvexport.tolerances import tolerance
+from kvexport.verify import Reference, cache_checks, compare
+from kvexport.zoo import TINY_CONFIGS
+
+pytest.importorskip("openvino", reason="the intel target needs openvino (pip install 'kvexport[intel]')")
+
+from kvexport_intel import IntelBackendWarning, isa, lowering  # noqa: E402
+
+FAMILIES = sorted(TINY_CONFIGS)
+STEPS = 64
+
+
+def greedy_run(engine: kvexport.runtime.engine.Engine, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """prefill + steps-1 decodes, greedy; returns the tokens and the (steps, V) logits that chose them."""
+    batch = engine.prefill(prompt, steps)
+    logits = [batch.logits[0].copy()]
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(steps - 1):
+        logits.append(engine.decode(batch, np.array([tokens[-1]]))[0].copy())
+        tokens.append(int(logits[-1].argmax()))
+    engine.session.release(batch.state)
+    return tokens, np.stack(logits)
+
+
+def prompt_ids(n: int, seed: int = 3) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 259, n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_greedy_tokens_identical_to_transformers_over_64_steps(family: str, intel_artifacts: dict) -> None:
+    ckpt, art = intel_artifacts[family]
+    engine = kvexport.load(str(art), precision="fp32")
+    prompt = prompt_ids(9)
+    tokens, logits = greedy_run(engine, prompt, STEPS)
+    ref = Reference(ckpt, engine.max_seq).logits(prompt + tokens[:-1])[len(prompt) - 1:]  # (STEPS, V)
+    stats = compare(ref, logits)
+    print(f"{family}: fp32 over {STEPS} steps: {stats}")
+    assert list(ref.argmax(-1)) == tokens  # the reference would have chosen the same token at every step
+    tol = tolerance("intel", "fp32")
+    assert stats["max_abs_logit"] <= tol.max_abs_logit and stats["mean_kl"] <= tol.max_mean_kl
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_compiles_to_the_fused_stateful_path(family: str, intel_artifacts: dict) -> None:
+    _, art = intel_artifacts[family]
+    engine = kvexport.load(str(art))
+    layers = engine.config.num_hidden_layers
+    compiled = engine.session.compiled
+    ops = lowering.runtime_op_counts(compiled)
+    assert lowering.fused_attention_layers(compiled) == layers
+    assert ops["ScaledDotProductAttention"] == layers and ops["MemoryInput"] == 2 * layers
+    # no per-layer K/V Concatenation is left: nothing of that kind reads the state
+    rt = compiled.get_runtime_model()
+    for op in rt.get_ops():
+        if op.get_rt_info()["layerType"].astype(str) == "Concatenation":
+            assert "MemoryInput" not in [i.get_node().get_rt_info()["layerType"].astype(str) for i in op.input_values()]
+    fp = engine.manifest.target["fingerprint"]
+    assert fp["fused_attention_layers"] == layers and set(fp["isa"]) >= {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"}
+
+
+def test_cache_checks_and_left_padded_rows(intel_artifacts: dict) -> None:
+    """prefill(N)+decode(1) == prefill(N+1); rows of different lengths in one batch do not touch each other."""
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art))
+    checks = cache_checks(engine, np.random.default_rng(0), lambda _m: None)
+    assert checks["prefill_decode_max_abs"] < 1e-4 and checks["batch_independence_max_abs"] < 1e-4, checks
+
+
+def test_engine_api_and_errors(intel_artifacts: dict) -> None:
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art))
+    gen = engine.generate(prompt_ids(5), max_new_tokens=8)
+    assert 1 <= len(gen.token_ids) <= 8
+    both = engine.generate([prompt_ids(4), prompt_ids(11, seed=5)], max_new_tokens=6)
+    assert len(both) == 2
+    assert both[1].token_ids == engine.generate(prompt_ids(11, seed=5), max_new_tokens=6).token_ids
+    with pytest.raises(ContextOverflowError):
+        engine.generate(prompt_ids(120), max_new_tokens=20)
+    with pytest.raises(InputError, match="numa_node"):
+        kvexport.load(str(art), numa_node="lots")
+    with pytest.raises(InputError, match="kv_precision"):
+        kvexport.load(str(art), kv_precision="q4")
+    with pytest.raises(InputError, match="takes threads"):
+        kvexport.load(str(art), streams=4)
+    s = engine.session
+    state = s.new_state(1, 4)
+    with pytest.raises(InputError, match="attention_mask"):
+        s.step(state, np.zeros((1, 2), np.int64), np.zeros((1, 2), np.int64), np.ones((1, 1, 2, 5), bool))
+    s.release(state)
+    with pytest.raises(InputError, match="released"):
+        s.step(state, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), np.ones((1, 1, 1, 1), bool))
+
+
+def test_threads_hold_their_own_caches(intel_artifacts: dict) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art))
+    prompts = [prompt_ids(n, seed=n) for n in (3, 8, 13, 21)]
+    alone = [engine.generate(p, max_new_tokens=10).token_ids for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: engine.generate(p, max_new_tokens=10).token_ids, prompts))
+    assert together == alone
+
+
+def test_tampered_engine_file_is_refused(intel_artifacts: dict, tmp_path: Path) -> None:
+    _, art = intel_artifacts["llama"]
+    bad = shutil.copytree(art, tmp_path / "bad.kvx")
+    with open(bad / "engine" / lowering.BIN, "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(ArtifactError, match="sha256"):
+        kvexport.load(str(bad))
+
+
+def test_kv_cache_precision_memory_and_agreement(intel_artifacts: dict) -> None:
+    """u8 / f16 KV cache through OpenVINO's cache-precision properties: bytes saved vs agreement lost."""
+    _, art = intel_artifacts["llama"]
+    prompt = prompt_ids(17)
+    base = kvexport.load(str(art), kv_precision="f32")
+    tokens, ref = greedy_run(base, prompt, 32)
+    st = base.session.new_state(1, 64)
+    st.slots = 49
+    f32_bytes = base.session.cache_bytes(st)
+    for kv, min_saving in (("f16", 1.9), ("u8", 2.5)):
+        eng = kvexport.load(str(art), kv_precision=kv)
+        assert eng.session.describe()["kv_precision"] == kv
+        batch = eng.prefill(prompt, 32)  # teacher-forced on the f32 path so the steps line up
+        got = [batch.logits[0].copy()] + [eng.decode(batch, np.array([t]))[0].copy() for t in tokens[:-1]]
+        stats = compare(ref, np.stack(got))
+        saving = f32_bytes / eng.session.cache_bytes(st)
+        print(f"kv {kv}: {saving:.2f}x less cache memory than f32, vs the f32 cache: {stats}")
+        assert saving >= min_saving
+        assert stats["max_abs_logit"] > 0  # the property took effect: a lossy cache changes the logits
+        assert stats["greedy_agreement"] >= 0.9
+
+
+def test_bf16_artifact_runs_bf16_or_falls_back_with_a_warning(intel_artifacts: dict, tmp_path: Path) -> None:
+    ckpt, art = intel_artifacts["llama"]
+    b16 = Path(shutil.copytree(art, tmp_path / "bf16.kvx"))
+    m = json.loads((b16 / "manifest.json").read_text())
+    m["target"]["precision"] = "bf16"  # as `--precision bf16` records it (the engine files are the same)
+    (b16 / "manifest.json").write_text(json.dumps(m))
+    flags = isa.read_cpu_flags()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = kvexport.load(str(b16))
+    if isa.has_bf16(flags):
+        assert engine.session.describe()["precision"] == "bf16"
+        prompt = prompt_ids(9)
+        tokens, logits = greedy_run(engine, prompt, STEPS)
+        ref = Reference(ckpt, engine.max_seq).logits(prompt + tokens[:-1])[len(prompt) - 1:]
+        stats = compare(ref, logits)
+        print(f"bf16 over {STEPS} steps: {stats}")
+        tol = tolerance("intel", "bf16")
+        assert stats["greedy_agreement"] >= tol.min_greedy_agreement and stats["mean_kl"] <= tol.max_mean_kl
+    else:
+        assert engine.session.describe()["precision"] == "fp32"
+        assert any(issubclass(w.category, IntelBackendWarning) and "bf16" in str(w.message) for w in caught)
+        assert engine.generate(prompt_ids(5), max_new_tokens=4).token_ids  # and it runs
