@@ -1,0 +1,128 @@
+"""The CLI end to end (subprocesses, as a user runs it), the examples and the README's commands."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kvx(*args: str, cwd: Path | None = None, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([sys.executable, "-m", "kvexport", *args], capture_output=True, text=True, cwd=cwd,
+                       timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+@pytest.fixture(scope="module")
+def default_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "default.kvx"
+    p = kvx("build", "-o", str(out), "--max-seq", "256")
+    assert "verify:" in p.stderr and "passed" in p.stderr  # build verifies unless told not to
+    return out
+
+
+def test_build_default_then_run_inspect_verify(default_artifact: Path) -> None:
+    run = kvx("run", str(default_artifact), "--prompt", "72,105", "--ids", "--max-new-tokens", "5")
+    assert len(run.stdout.split()) == 5 and "[5 tokens" in run.stderr
+    ins = kvx("inspect", str(default_artifact))
+    assert "past_key_values.3.value" in ins.stdout and "cache_len" in ins.stdout and "target: cpu fp32" in ins.stdout
+    meta = json.loads(kvx("inspect", str(default_artifact), "--json").stdout)
+    assert meta["cache"]["max_seq"] == 256 and meta["verification"]["passed"] is True
+    verify = json.loads((default_artifact / "verify.json").read_text())
+    assert verify["passed"] and verify["summary"]["greedy_agreement"] == 1.0
+
+
+def test_verify_and_bench_commands(default_artifact: Path, tmp_path: Path) -> None:
+    ref = tmp_path / "ref"
+    kvx("make-checkpoint", "default", "-o", str(ref))
+    v = kvx("verify", str(default_artifact), "--reference", str(ref), "--steps", "8", "--json", "-q")
+    assert json.loads(v.stdout)["passed"] is True
+    b = kvx("bench", str(default_artifact), "--reference", str(ref), "--prompts", "8", "--new-tokens", "8", "--json", "-q")
+    r = json.loads(b.stdout)["prompts"]["8"]
+    assert r["engine"]["decode_tok_s"] > 0 and r["ratios"]["decode_vs_hf_cache"] > 0
+    assert r["engine"]["cache_bytes_copied_per_decode_step"] == 0
+    text = kvx("bench", str(default_artifact), "--prompts", "8", "--new-tokens", "4", "--no-baselines", "-q").stdout
+    assert "decode" in text and "bound" in text
+
+
+def test_verify_fails_with_exit_4_against_other_weights(default_artifact: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    kvx("make-checkpoint", "default", "-o", str(other), "--seed", "1")
+    p = kvx("verify", str(default_artifact), "--reference", str(other), "--steps", "4", "-q", ok=False)
+    assert p.returncode == 4 and "verification failed" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_export_check_lists_problems(tmp_path: Path) -> None:
+    from kvexport.zoo import TINY_CONFIGS, write_checkpoint
+
+    good = write_checkpoint(TINY_CONFIGS["llama"], tmp_path / "good")
+    assert "supported" in kvx("export", str(good), "--check").stdout
+    cfg = json.loads((good / "config.json").read_text())
+    cfg.update(hidden_act="bogus", rope_parameters={"rope_type": "yarn"})
+    (good / "config.json").write_text(json.dumps(cfg))
+    p = kvx("export", str(good), "--check", ok=False)
+    assert p.returncode == 2 and "hidden_act" in p.stdout and "rope_type" in p.stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["run", "missing.kvx", "--prompt", "x"], "not an artifact folder"),
+        (["build", "-o", "x.kvx", "--target", "quantum"], "unknown target 'quantum'"),
+        (["build", "no/such/dir", "-o", "x.kvx"], "not a folder"),
+        (["export", "no/such/dir", "--check"], "not a folder"),
+        (["make-checkpoint", "gpt5", "-o", "x"], "unknown model name"),
+        (["build", "-o", "x.kvx", "--precision", "int3"], "supports precisions"),
+    ],
+)
+def test_clean_cli_errors(args: list[str], needle: str, tmp_path: Path) -> None:
+    p = kvx(*args, cwd=tmp_path, ok=False)
+    assert p.returncode != 0 and needle in p.stderr and "Traceback" not in p.stderr
+
+
+def test_overflow_and_bad_ids_from_the_cli(default_artifact: Path) -> None:
+    p = kvx("run", str(default_artifact), "--prompt", "a" * 250, "--max-new-tokens", "20", ok=False)
+    assert p.returncode == 2 and "max_seq=256" in p.stderr and "Traceback" not in p.stderr
+    p = kvx("run", str(default_artifact), "--prompt", "1,99999", "--ids", ok=False)
+    assert "outside the vocabulary" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_doctor_lists_targets_and_isa() -> None:
+    out = kvx("doctor").stdout
+    assert "AMX-BF16" in out and "NUMA" in out and re.search(r"cpu\s+ready", out)
+    r = json.loads(kvx("doctor", "--json").stdout)
+    assert set(r["targets"]) >= {"cpu", "intel", "nvidia", "amd"}
+    for name, t in r["targets"].items():
+        assert t["ready"] or t["why_not"], name  # every missing target says why
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_examples_run(script: str, tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / script), str(tmp_path)], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+
+
+def test_readme_python_blocks_run(default_artifact: Path, tmp_path: Path) -> None:
+    """The README's Python examples run against the artifact its first command builds."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks
+    (tmp_path / "default.kvx").symlink_to(default_artifact)
+    for code in blocks:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+        assert p.returncode == 0, p.stderr
+
+
+def test_readme_commands_are_the_ones_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_cmd = re.search(r"^(python -m pytest[^\n]*)$", readme, re.M)
+    assert test_cmd and test_cmd.group(1) in ci
