@@ -17,6 +17,7 @@ from kvexport.errors import ContextOverflowError
 from kvexport.manifest import Manifest
 from kvexport.runtime.session import Session
 
+MAX_SEQ = 64  # the tiny test artifacts cache length
 NP = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
 
 

@@ -16,7 +16,7 @@ from kvexport.backends import BuildOptions
 from kvexport.manifest import read
 from kvexport_nvidia.backend import ENGINE_DIR, PLAN, NvidiaBackend
 
-from conftest import MAX_SEQ
+from nvidia_ort_twin import MAX_SEQ
 
 _MISSING = NvidiaBackend().availability()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_MISSING), reason="needs an NVIDIA GPU with TensorRT: "

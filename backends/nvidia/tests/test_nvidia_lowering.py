@@ -16,7 +16,7 @@ from kvexport.errors import UnsupportedFeatureError
 from kvexport_nvidia import lowering
 from kvexport_nvidia.lowering import lower
 
-from conftest import MAX_SEQ
+from nvidia_ort_twin import MAX_SEQ
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from kvexport.errors import InputError
 from kvexport.manifest import read
 from kvexport_nvidia.profiles import DECODE, PREFILL, check_request, make_profiles, pick_profile
 
-from conftest import MAX_SEQ
+from nvidia_ort_twin import MAX_SEQ
 
 
 @pytest.fixture(scope="module")
