@@ -1,0 +1,81 @@
+"""`kvexport build --target intel` on the embedded default, `kvexport doctor`, and refusals before long work."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvexport.backends import BuildOptions
+from kvexport.build import build
+from kvexport.errors import BackendUnavailableError, InputError
+
+pytest.importorskip("openvino", reason="the intel target needs openvino (pip install 'kvexport[intel]')")
+
+
+def kvx(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvexport", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_build_intel_on_the_embedded_default_then_run(tmp_path: Path) -> None:
+    out = tmp_path / "default-intel.kvx"
+    r = kvx("build", "--target", "intel", "-o", str(out), "--max-seq", "256")
+    assert r.returncode == 0, r.stderr
+    assert "fused ScaledDotProductAttention" in r.stdout + r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    t = m["target"]
+    assert t["backend"] == "intel" and t["precision"] in ("fp32", "bf16")
+    assert sorted(t["engine_files"]) == ["engine/openvino_model.bin", "engine/openvino_model.xml"]
+    assert set(t["fingerprint"]["isa"]) >= {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"}
+    assert m["verification"]["passed"] is True
+    run = kvx("run", str(out), "--prompt", "hello", "--max-new-tokens", "5")
+    assert run.returncode == 0, run.stderr
+
+
+def test_doctor_shows_amx_numa_and_the_precision_it_would_pick() -> None:
+    r = json.loads(kvx("doctor", "--json").stdout)
+    intel = r["targets"]["intel"]
+    assert intel["ready"] is True
+    assert intel["amx"] in ("present", "absent")
+    assert intel["numa_nodes"] and all(isinstance(c, list) for c in intel["numa_nodes"].values())
+    assert intel["would_pick_precision"].split(":")[0] in ("fp32", "bf16")
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"kv_precision": "q4"}, "kv_precision"),
+    ({"numa_node": "63"}, "NUMA node 63 does not exist"),
+    ({"streams": "2"}, "unknown intel options"),
+])
+def test_bad_options_fail_before_any_export(extra: dict, match: str, tmp_path: Path) -> None:
+    from kvexport_intel import IntelBackend
+    from kvexport.manifest import Manifest
+
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match=match):
+        IntelBackend().build(tmp_path, Manifest({}), BuildOptions(extra=extra), lambda _m: None)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_bad_precision_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="precisions"):
+        build(None, tmp_path / "x.kvx", target="intel", options=BuildOptions(precision="int4"))
+
+
+def test_ipex_path_says_plainly_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from kvexport_intel.ipex import require_ipex
+
+    monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", None)  # not installed
+    with pytest.raises(BackendUnavailableError, match="end-of-life"):
+        require_ipex()
+    monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", types.SimpleNamespace(__version__="2.8.0+cpu"))
+    import torch
+
+    if torch.__version__.startswith("2.8"):
+        pytest.skip("torch 2.8 matches IPEX's pin here")
+    with pytest.raises(BackendUnavailableError, match="built for torch 2.8"):
+        require_ipex()
