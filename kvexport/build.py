@@ -68,13 +68,13 @@ def build(
 
 
 def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: int = 32,
-               progress: Progress | None = None, raise_on_fail: bool = True) -> dict:
+               progress: Progress | None = None, raise_on_fail: bool = True, no_rebuild: bool = False) -> dict:
     """Verify an artifact against a reference checkpoint; record verify.json and the manifest's summary."""
     from kvexport.runtime.engine import load
     from kvexport.verify import verify_engine
 
     folder = Path(folder)
-    engine = load(folder)
+    engine = load(folder, **({"no_rebuild": True} if no_rebuild else {}))
     report = verify_engine(engine, reference_dir, decode_steps=decode_steps, progress=progress)
     (folder / VERIFY_FILE).write_text(report.to_json())
     manifest: Manifest = engine.manifest

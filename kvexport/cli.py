@@ -32,6 +32,21 @@ def _options(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def _load(path: str, a: argparse.Namespace, threads: int | None = None) -> Any:
+    """kvexport.load with the load options this artifact's backend takes (threads only where it has them)."""
+    import kvexport
+    from kvexport import backends
+    from kvexport.artifact import open_artifact
+
+    _, m = open_artifact(path, verify_hashes=False)  # load() below checks the hashes
+    opts: dict[str, Any] = {}
+    if m.target is not None and threads is not None and backends.get(m.target["backend"]).capabilities().threads_option:
+        opts["threads"] = threads
+    if getattr(a, "no_rebuild", False):
+        opts["no_rebuild"] = True
+    return kvexport.load(path, **opts)
+
+
 def cmd_export(a: argparse.Namespace) -> int:
     from kvexport.architectures import config_problems
     from kvexport.checkpoint import read_hf_config, weight_files
@@ -72,9 +87,7 @@ def cmd_build(a: argparse.Namespace) -> int:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    import kvexport
-
-    engine = kvexport.load(a.artifact, threads=a.threads)
+    engine = _load(a.artifact, a, a.threads)
     prompt: Any = [int(t) for t in a.prompt.split(",")] if a.ids else a.prompt
     stop = [int(s) if s.isdigit() else s for s in a.stop]
     n = 0
@@ -94,7 +107,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from kvexport.build import run_verify
 
     result = run_verify(a.artifact, a.reference, decode_steps=a.steps, progress=_Progress(a.quiet),
-                        raise_on_fail=False)
+                        raise_on_fail=False, no_rebuild=a.no_rebuild)
     if a.json:
         print(json.dumps(result, indent=2))
     if not result["passed"]:
@@ -104,11 +117,10 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    import kvexport
     from kvexport.bench import format_report, run_bench
 
-    engine = kvexport.load(a.artifact, threads=a.threads)
-    others = [kvexport.load(p, threads=a.threads) for p in a.compare]
+    engine = _load(a.artifact, a, a.threads)
+    others = [_load(p, a, a.threads) for p in a.compare]
     prompts = tuple(int(x) for x in a.prompts.split(","))
     if a.reference is not None and not Path(a.reference).is_dir():
         raise InputError(f"--reference {a.reference} is not a checkpoint folder")
@@ -214,6 +226,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop", action="append", default=[], help="stop string or token id (repeatable)")
+    s.add_argument("--no-rebuild", action="store_true",
+                   help="fail instead of rebuilding when the engine was built for another device or SDK")
     s.add_argument("--threads", type=int, default=None)
     s.set_defaults(fn=cmd_run)
 
@@ -221,6 +235,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("artifact")
     s.add_argument("--reference", required=True, help="the HF checkpoint folder the artifact came from")
     s.add_argument("--steps", type=int, default=32)
+    s.add_argument("--no-rebuild", action="store_true",
+                   help="fail instead of rebuilding when the engine was built for another device or SDK")
     s.add_argument("--json", action="store_true")
     common(s)
     s.set_defaults(fn=cmd_verify)
@@ -232,6 +248,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--prompts", default="32,512")
     s.add_argument("--new-tokens", type=int, default=64)
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--no-rebuild", action="store_true",
+                   help="fail instead of rebuilding when the engine was built for another device or SDK")
     s.add_argument("--no-baselines", action="store_true")
     s.add_argument("--json", action="store_true")
     common(s)

@@ -64,7 +64,7 @@ def report() -> dict[str, Any]:
             b = backends.get(name)
             reasons = b.availability()
             caps = b.capabilities()
-            facts = b.doctor() if not reasons else {}
+            facts = b.doctor()  # what it sees (a GPU without its SDK, say) matters most when it is not ready
             targets[name] = {"ready": not reasons, "why_not": reasons, "description": caps.description,
                              "default_precision": caps.default_precision, **facts}
         except KvexportError as e:
@@ -85,5 +85,6 @@ def format_report(r: dict[str, Any]) -> str:
             extra = {k: v for k, v in t.items() if k not in ("ready", "why_not", "description")}
             lines.append(f"  {name:7s} ready   {t.get('description', '')}  {extra}")
         else:
-            lines.append(f"  {name:7s} missing {'; '.join(t['why_not'])}")
+            facts = {k: v for k, v in t.items() if k not in ("ready", "why_not", "description", "default_precision")}
+            lines.append(f"  {name:7s} missing {'; '.join(t['why_not'])}" + (f"  (sees {facts})" if facts else ""))
     return "\n".join(lines)

@@ -89,6 +89,8 @@ def validate(raw: Any) -> None:
         _check_fields(obj, fields, section)
     if raw.get("target") is not None:
         _check_fields(raw["target"], _TARGET, "target")
+        if not isinstance(raw["target"].get("deferred", False), bool):
+            raise ManifestError("manifest.json: `target.deferred` has the wrong type")
     for kind in ("inputs", "outputs"):
         for i, io in enumerate(raw[kind]):
             _check_fields(io, {"name": str, "dtype": str, "shape": list}, f"{kind}[{i}]")

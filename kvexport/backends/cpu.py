@@ -114,17 +114,22 @@ class CpuBackend(_Backend):
             "options": {"threads": options.threads},
         }
 
-    def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, **options: Any) -> CpuSession:
+    def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
+             **options: Any) -> CpuSession:
         self.require_available()
         if options:
-            raise InputError(f"the cpu target takes no options {sorted(options)}; it accepts threads=N")
+            raise InputError(f"the cpu target takes no options {sorted(options)}; it accepts threads=N, no_rebuild")
         target = manifest.target or {}
         model = folder / ENGINE_DIR / OPT_MODEL
         warning = None
-        if target.get("fingerprint", {}).get("onnxruntime") != fingerprint()["onnxruntime"] or not model.is_file():
-            # an optimized graph from another ONNX Runtime may hold kernels this one lacks: use the IR
+        built_with = target.get("fingerprint", {}).get("onnxruntime")
+        if built_with != fingerprint()["onnxruntime"]:
+            # an optimized graph from another ONNX Runtime may hold kernels this one lacks: the IR is portable
+            if no_rebuild:
+                raise ArtifactError(f"{folder} was optimized by onnxruntime {built_with}, this is "
+                                    f"{fingerprint()['onnxruntime']}; drop --no-rebuild to load the IR instead")
             model = folder / manifest.raw["ir"]["file"]
-            warning = "optimized graph made by another onnxruntime version; loaded the IR instead"
+            warning = f"optimized graph made by onnxruntime {built_with}; loaded the portable IR instead"
         threads = threads or target.get("options", {}).get("threads") or default_threads()
         return CpuSession(model, manifest, threads, warning)
 
