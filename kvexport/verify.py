@@ -104,7 +104,7 @@ class VerifyReport:
 
 def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     lo = 3 if vocab > 3 else 0  # avoid the special ids of kvexport's byte tokenizer
-    return [int(t) for t in rng.integers(lo, min(vocab, 259) if vocab > 259 else vocab, n)]
+    return [int(t) for t in rng.integers(lo, min(vocab, 259), n)]
 
 
 def verify_engine(engine: Engine, reference_dir: str | Path, *, decode_steps: int = 32,

@@ -215,7 +215,7 @@ class Engine:
         ids always stop. Greedy unless temperature > 0.
         """
         params = SamplingParams(temperature, top_k, top_p, seed)
-        single = isinstance(prompt, str) or (not isinstance(prompt, str) and _is_id_list(prompt))
+        single = isinstance(prompt, str) or _is_id_list(prompt)
         stop_strs = [s for s in stop if isinstance(s, str)]
         out: list[list[int]] = []
         reasons: list[FinishReason] = []
