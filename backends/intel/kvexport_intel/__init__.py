@@ -121,7 +121,7 @@ class IntelBackend(Backend):
         engine.mkdir(exist_ok=True)
         ov.save_model(model, str(engine / lowering.XML), compress_to_fp16=False)
         progress(f"intel: wrote {ENGINE_DIR}/{lowering.XML} in {time.perf_counter() - t0:.1f}s; checking the fused path")
-        compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"})
+        compiled = ov.Core().compile_model(model, "CPU", _compile_config("fp32", "f32", 0, True))
         fused = lowering.fused_attention_layers(compiled)
         ops = lowering.runtime_op_counts(compiled)
         layers = manifest.config.num_hidden_layers
@@ -129,6 +129,18 @@ class IntelBackend(Backend):
             warnings.warn(f"only {fused} of {layers} attention layers compiled to OpenVINO's fused "
                           "attention-with-KV-cache node; decode will be slower", IntelBackendWarning, stacklevel=2)
         progress(f"intel: {fused}/{layers} layers on the fused ScaledDotProductAttention+state path; precision {precision}")
+        kv_cost = None
+        if kv != "f32":
+            from kvexport_intel.kvcost import kv_precision_cost
+
+            # verify compares with the reference; this records what the lossy cache itself costs
+            exact = self._session(compiled, manifest, {"kv_precision": "f32"})
+            lossy_compiled = ov.Core().compile_model(model, "CPU", _compile_config("fp32", kv, 0, True))
+            lossy = self._session(lossy_compiled, manifest, {"kv_precision": kv})
+            kv_cost = kv_precision_cost(exact, lossy)
+            progress(f"intel: kv cache {kv}: {kv_cost['memory_saving']:.2f}x less memory than f32; against the f32 cache "
+                     f"max |dlogit| {kv_cost['max_abs_logit']:.2e}, greedy agreement {kv_cost['greedy_agreement']:.3f}, "
+                     f"mean KL {kv_cost['mean_kl']:.2e}")
         manifest.raw["target"] = {
             "backend": "intel",
             "precision": precision,
@@ -143,7 +155,7 @@ class IntelBackend(Backend):
                 "runtime_ops": {k: ops[k] for k in ("ScaledDotProductAttention", "MemoryInput", "MemoryOutput", "Concatenation")},
             },
             "options": {"threads": options.threads, "kv_precision": kv, "numa_node": numa_node,
-                        "numa_bind": _flag(extra.get("numa_bind", True))},
+                        "numa_bind": _flag(extra.get("numa_bind", True)), "kv_precision_cost": kv_cost},
         }
 
     # --- load -------------------------------------------------------------------------------
@@ -173,27 +185,20 @@ class IntelBackend(Backend):
 
         placement = place(options.get("numa_node", built.get("numa_node")), _flag(options.get("numa_bind", built.get("numa_bind", True))))
         threads = threads or built.get("threads") or placement["threads"]
-        config: dict[str, Any] = {
-            "INFERENCE_PRECISION_HINT": OV_PRECISION[precision],
-            "KV_CACHE_PRECISION": kv,  # OpenVINO's default is u8 on x86: set it, or f32 is not exact
-            "KEY_CACHE_PRECISION": kv,
-            "VALUE_CACHE_PRECISION": kv,
-            "INFERENCE_NUM_THREADS": int(threads),
-            "NUM_STREAMS": 1,
-            "PERFORMANCE_HINT": "LATENCY",
-            "ENABLE_CPU_PINNING": placement["pinned"],
-        }
-        if precision == "fp32":
-            config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0  # no int8 activations anywhere in an exact run
+        config = _compile_config(precision, kv, int(threads), placement["pinned"])
         core = ov.Core()  # made after pinning, so the plugin's CPU map sees the node's cores
         try:
             compiled = core.compile_model(core.read_model(str(xml)), "CPU", config)
         except RuntimeError as e:
             raise ArtifactError(f"OpenVINO could not compile {xml}: {e}; rebuild the artifact with this OpenVINO") from e
-        cfg = manifest.config
         facts = {"threads": int(threads), "precision": precision, "kv_precision": kv, "warning": warning,
                  "openvino": _openvino_version(), "numa": placement,
                  "fused_attention_layers": lowering.fused_attention_layers(compiled)}
+        return self._session(compiled, manifest, facts)
+
+    @staticmethod
+    def _session(compiled: Any, manifest: Manifest, facts: dict[str, Any]) -> IntelSession:
+        cfg = manifest.config
         return IntelSession(compiled, max_seq=manifest.max_seq, vocab_size=cfg.vocab_size,
                             num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
                             head_dim=cfg.head_dim, facts=facts)
@@ -205,6 +210,23 @@ class IntelBackend(Backend):
                 "isa": isa.isa_report(flags), "would_pick_precision": isa.why_precision(flags),
                 "numa_nodes": {n.id: list(n.cpus) for n in topo.nodes},
                 "offline_cpus": list(topo.offline)}
+
+
+def _compile_config(precision: str, kv: str, threads: int, pinned: bool) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "INFERENCE_PRECISION_HINT": OV_PRECISION[precision],
+        "KV_CACHE_PRECISION": kv,  # OpenVINO's default is u8 on x86: set it, or f32 is not exact
+        "KEY_CACHE_PRECISION": kv,
+        "VALUE_CACHE_PRECISION": kv,
+        "NUM_STREAMS": 1,
+        "PERFORMANCE_HINT": "LATENCY",
+        "ENABLE_CPU_PINNING": pinned,
+    }
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = threads
+    if precision == "fp32":
+        config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0  # no int8 activations anywhere in an exact run
+    return config
 
 
 def place(numa_node: Any, bind: bool) -> dict[str, Any]:

@@ -171,3 +171,18 @@ def test_bf16_artifact_runs_bf16_or_falls_back_with_a_warning(intel_artifacts: d
         assert engine.session.describe()["precision"] == "fp32"
         assert any(issubclass(w.category, IntelBackendWarning) and "bf16" in str(w.message) for w in caught)
         assert engine.generate(prompt_ids(5), max_new_tokens=4).token_ids  # and it runs
+
+
+def test_build_with_a_lossy_kv_cache_records_what_it_costs(intel_artifacts: dict, tmp_path: Path) -> None:
+    from kvexport.artifact import open_artifact
+    from kvexport.backends import BuildOptions
+    from kvexport_intel import IntelBackend
+
+    _, art = intel_artifacts["llama"]
+    folder, manifest = open_artifact(shutil.copytree(art, tmp_path / "u8.kvx"))
+    IntelBackend().build(folder, manifest, BuildOptions(extra={"kv_precision": "u8"}), lambda _m: None)
+    cost = manifest.raw["target"]["options"]["kv_precision_cost"]
+    print(f"build-time u8 KV cost: {cost}")
+    assert cost["kv_precision"] == "u8" and cost["memory_saving"] > 2.5
+    assert 0 < cost["max_abs_logit"] and cost["greedy_agreement"] >= 0.9
+    assert manifest.raw["target"]["options"]["kv_precision"] == "u8"
