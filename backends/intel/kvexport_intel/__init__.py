@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvexport.backends import Backend, BuildOptions, Capabilities, Progress
-from kvexport.errors import ArtifactError, BackendUnavailableError, InputError
+from kvexport.errors import ArtifactError, InputError, KvexportError
 from kvexport.manifest import Manifest
 from kvexport_intel import isa, numa
 from kvexport_intel.session import KV_ITEM_BYTES, IntelSession
@@ -183,9 +183,10 @@ class IntelBackend(Backend):
             warnings.warn(warning, IntelBackendWarning, stacklevel=3)
         kv = _kv_precision(options.get("kv_precision", built.get("kv_precision", "f32")))
 
-        placement = place(options.get("numa_node", built.get("numa_node")), _flag(options.get("numa_bind", built.get("numa_bind", True))))
+        placement = place(options.get("numa_node", built.get("numa_node")),
+                          _flag(options.get("numa_bind", built.get("numa_bind", True))))
         threads = threads or built.get("threads") or placement["threads"]
-        config = _compile_config(precision, kv, int(threads), placement["pinned"])
+        config = _compile_config(precision, kv, int(threads), pinned=True)
         core = ov.Core()  # made after pinning, so the plugin's CPU map sees the node's cores
         try:
             compiled = core.compile_model(core.read_model(str(xml)), "CPU", config)
@@ -236,16 +237,23 @@ def place(numa_node: Any, bind: bool) -> dict[str, Any]:
     requested = _numa_node(numa_node)
     if requested is None and len(topo.nodes) < 2:
         cpus = sorted(os.sched_getaffinity(0))
-        return {"node": None, "cpus": cpus, "threads": len(cpus), "pinned": True, "memory_bound": False,
+        return {"node": None, "cpus": cpus, "threads": len(cpus), "process_pinned": False, "memory_bound": False,
                 "nodes": len(topo.nodes)}
     node = numa.choose_node(topo, requested)
     cpus = numa.node_cpus_for_process(node)
     numa.pin_process(cpus)
     bound = False
     if bind:
-        numa.bind_memory(node.id)
-        bound = True
-    return {"node": node.id, "cpus": cpus, "threads": len(cpus), "pinned": True, "memory_bound": bound,
+        try:
+            numa.bind_memory(node.id)
+            bound = True
+        except KvexportError as e:
+            if requested is not None:
+                raise  # asked for by name: say why it cannot be done
+            # automatic placement: containers often forbid set_mempolicy (no CAP_SYS_NICE); run unbound
+            warnings.warn(f"{e}; threads are pinned to node {node.id} but memory is not bound",
+                          IntelBackendWarning, stacklevel=3)
+    return {"node": node.id, "cpus": cpus, "threads": len(cpus), "process_pinned": True, "memory_bound": bound,
             "nodes": len(topo.nodes)}
 
 

@@ -101,3 +101,30 @@ def test_pinning_for_real_on_this_machines_node() -> None:
     assert all(cpus == expect for cpus in r["tasks"].values())
     assert r["mode"] == numa.MPOL_BIND and r["nodes"] == [r["node"]]
     assert r["done"]["threads"] == len(expect) and r["done"]["memory_bound"] is True
+
+
+LOAD_SCRIPT = """
+import json, os, sys
+import kvexport
+from kvexport_intel import numa
+engine = kvexport.load(sys.argv[1], numa_node=0)
+gen = engine.generate([5, 6, 7], max_new_tokens=4)
+print(json.dumps({"numa": engine.session.describe()["numa"], "threads": engine.session.describe()["threads"],
+                  "tokens": gen.token_ids, "policy": numa.memory_policy(),
+                  "tasks": {t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')}}))
+"""
+
+
+def test_engine_load_on_a_named_node_pins_openvinos_threads(intel_artifacts: dict) -> None:
+    """Every thread of the process, OpenVINO's workers included, runs on node 0's CPUs after load."""
+    pytest.importorskip("openvino")
+    _, art = intel_artifacts["llama"]
+    out = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(art)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    node0 = numa.read_topology().node(0)
+    expect = sorted(set(node0.cpus) & set(os.sched_getaffinity(0))) or list(node0.cpus)
+    assert r["numa"]["node"] == 0 and r["numa"]["process_pinned"] and r["numa"]["memory_bound"]
+    assert r["threads"] == len(expect) and r["tokens"]
+    assert len(r["tasks"]) > 1 and all(cpus == expect for cpus in r["tasks"].values())
+    assert r["policy"] == [numa.MPOL_BIND, [0]]
