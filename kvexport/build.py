@@ -13,6 +13,8 @@ from kvexport.errors import BackendUnavailableError, InputError, NumericsMismatc
 from kvexport.manifest import Manifest
 
 Progress = Callable[[str], None]
+PRECISION_ALIASES = {"f32": "fp32", "float32": "fp32", "f16": "fp16", "half": "fp16", "float16": "fp16",
+                     "bfloat16": "bf16"}
 
 
 def build(
@@ -30,6 +32,8 @@ def build(
     options = options or BuildOptions()
     backend = backends.get(target)
     caps = backend.capabilities()
+    if options.precision is not None:
+        options.precision = PRECISION_ALIASES.get(options.precision.lower(), options.precision.lower())
     if options.precision is not None and options.precision not in caps.precisions:
         raise InputError(f"target {target!r} supports precisions {', '.join(caps.precisions)}, not {options.precision!r}")
     reasons = backend.availability()

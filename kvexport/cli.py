@@ -44,6 +44,7 @@ def _load(path: str, a: argparse.Namespace, threads: int | None = None) -> Any:
         opts["threads"] = threads
     if getattr(a, "no_rebuild", False):
         opts["no_rebuild"] = True
+    opts.update(_options(getattr(a, "option", [])))  # backend load options, e.g. kv_precision=u8, numa_node=0
     return kvexport.load(path, **opts)
 
 
@@ -78,6 +79,8 @@ def cmd_build(a: argparse.Namespace) -> int:
     from kvexport.build import build
 
     extra = _options(a.option)
+    if a.numa_node is not None:
+        extra["numa_node"] = a.numa_node
     if a.defer:
         extra["defer"] = True
     opts = BuildOptions(precision=a.precision, threads=a.threads, max_batch=a.max_batch, extra=extra)
@@ -211,6 +214,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--max-batch", type=int, default=8)
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend-specific option")
+    s.add_argument("--numa-node", type=int, default=None, help="pin threads and memory to this NUMA node (targets that place)")
     s.add_argument("--defer", action="store_true", help="package the prepared IR; build the engine at first load")
     s.add_argument("--no-verify", action="store_true")
     common(s)
@@ -229,6 +233,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-rebuild", action="store_true",
                    help="fail instead of rebuilding when the engine was built for another device or SDK")
     s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend load option")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("verify", help="compare the engine with the PyTorch reference; writes verify.json")
@@ -250,6 +255,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--no-rebuild", action="store_true",
                    help="fail instead of rebuilding when the engine was built for another device or SDK")
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend load option")
     s.add_argument("--no-baselines", action="store_true")
     s.add_argument("--json", action="store_true")
     common(s)

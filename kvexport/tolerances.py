@@ -18,6 +18,11 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("cpu", "fp32"): EXACT,
     ("intel", "fp32"): Tolerance(1e-3, 1.0, 1e-5),
     ("intel", "bf16"): Tolerance(float("inf"), 0.99, 1e-3),
+    # a lossy KV cache (target.options.kv_precision) costs agreement on top of the weights' precision
+    ("intel", "fp32+kv-f16"): Tolerance(float("inf"), 0.99, 1e-5),
+    ("intel", "fp32+kv-u8"): Tolerance(float("inf"), 0.98, 5e-4),
+    ("intel", "bf16+kv-f16"): Tolerance(float("inf"), 0.99, 1e-3),
+    ("intel", "bf16+kv-u8"): Tolerance(float("inf"), 0.98, 2e-3),
     ("amd", "fp32"): Tolerance(1e-3, 1.0, 1e-5),
     ("amd", "fp16"): Tolerance(float("inf"), 0.99, 1e-3),
     ("amd", "bf16"): Tolerance(float("inf"), 0.99, 2e-3),
@@ -25,6 +30,13 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("nvidia", "bf16"): Tolerance(float("inf"), 0.99, 2e-3),
     ("nvidia", "fp32"): Tolerance(1e-3, 1.0, 1e-5),
 }
+
+
+def precision_key(target: dict) -> str:
+    """`fp32`, or `fp32+kv-u8` when the engine keeps its KV cache in a lossier type than its weights."""
+    precision = str(target.get("precision", "fp32"))
+    kv = (target.get("options") or {}).get("kv_precision")
+    return precision if kv in (None, "f32", "fp32") else f"{precision}+kv-{kv}"
 
 
 def tolerance(backend: str, precision: str) -> Tolerance:

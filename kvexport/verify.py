@@ -12,7 +12,7 @@ import numpy as np
 
 from kvexport.errors import CheckpointError
 from kvexport.runtime.engine import Engine
-from kvexport.tolerances import Tolerance, tolerance
+from kvexport.tolerances import Tolerance, precision_key, tolerance
 
 Progress = Callable[[str], None]
 LOW_PRECISION_SELF_LIMIT = 0.25
@@ -93,6 +93,7 @@ class VerifyReport:
     summary: dict[str, float] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    kv_precision_cost: dict[str, Any] | None = None  # memory saved / agreement lost by a lossy KV cache
 
     @property
     def passed(self) -> bool:
@@ -114,7 +115,7 @@ def verify_engine(engine: Engine, reference_dir: str | Path, *, decode_steps: in
     say = progress or (lambda _m: None)
     t0 = time.perf_counter()
     target = engine.manifest.target or {}
-    backend, precision = target.get("backend", "?"), target.get("precision", "fp32")
+    backend, precision = target.get("backend", "?"), precision_key(target)
     tol: Tolerance = tolerance(backend, precision)
     if not Path(reference_dir).is_dir():
         raise CheckpointError(f"reference {reference_dir} is not a checkpoint folder")
@@ -142,6 +143,8 @@ def verify_engine(engine: Engine, reference_dir: str | Path, *, decode_steps: in
         all_eng.append(e)
     report.summary = compare(np.concatenate(all_ref), np.concatenate(all_eng))
     report.checks = cache_checks(engine, rng, say)
+    if (target.get("options") or {}).get("kv_precision_cost"):
+        report.kv_precision_cost = target["options"]["kv_precision_cost"]
     _judge(report, tol)
     report.seconds = time.perf_counter() - t0
     return report
