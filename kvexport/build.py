@@ -59,14 +59,21 @@ def build(
             say(f"building the {target} engine")
             backend.build(folder, manifest, options, say)
             finish(folder, manifest)
+            mismatch = None
             if verify and not manifest.raw["target"].get("deferred"):
-                run_verify(folder, model_dir, progress=say)
+                mismatch = run_verify(folder, model_dir, progress=say, raise_on_fail=False)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
+    if mismatch is not None and not mismatch["passed"]:
+        # the artifact is complete and says it failed (manifest `verification.passed`): keep it to inspect
+        raise NumericsMismatchError(
+            f"{out} differs from the reference beyond the tolerance table: {'; '.join(mismatch['failures'])}. "
+            f"Details in {out / VERIFY_FILE}; the artifact is kept, marked as failed."
+        )
     say(f"artifact ready: {out}")
     return out
 
@@ -94,4 +101,4 @@ def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: i
             f"{folder} differs from the reference beyond the tolerance for ({report.backend}, {report.precision}): "
             + "; ".join(report.failures) + f". Details in {folder / VERIFY_FILE}."
         )
-    return {"passed": report.passed, **report.summary, **report.checks}
+    return {"passed": report.passed, "failures": report.failures, **report.summary, **report.checks}

@@ -1,6 +1,7 @@
 """The Engine: tokenizer + sampling + the cache's slot bookkeeping over any backend's Session."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,6 +302,10 @@ def load(path: str | Path, *, threads: int | None = None, verify_hashes: bool = 
             f"{folder} holds only the IR (made by `kvexport export`); build an engine from it with "
             f"`kvexport build {folder} --target cpu -o OUT.kvx`"
         )
+    verification = manifest.raw.get("verification") or {}
+    if verification.get("passed") is False:
+        warnings.warn(f"{folder} failed verification against its reference (see {folder / 'verify.json'})",
+                      stacklevel=2)
     backend = backends.get(target["backend"])
     session = backend.load(folder, manifest, threads=threads, **options)
     return Engine(folder, manifest, session)
