@@ -53,9 +53,10 @@ class AotiSession(Session):
         self.max_seq, self.vocab_size, self.max_batch = max_seq, vocab_size, max_batch
         self.use_graph = use_graph
         self.facts = facts
-        # GPU runners are loaded single-threaded (no internal runner pool, as graph capture needs),
-        # so this lock serializes them; the CPU runner has its own lock.
-        self._lock = threading.Lock() if device != "cpu" else None
+        # One runner serves every state, so calls into it are serialized here: GPU runners are loaded
+        # single-threaded (no internal pool, as graph capture needs), and concurrent calls into the
+        # CPU runner deadlocked in its own wait for a free model (seen under pytest, 2 cores).
+        self._lock = threading.Lock()
 
     # --- state --------------------------------------------------------------------------------
     def new_state(self, batch: int, capacity: int) -> AotiState:
@@ -120,11 +121,8 @@ class AotiSession(Session):
         dev = self.device
         inputs = [torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev),
                   torch.full((B,), T, dtype=torch.long, device=dev), torch.from_numpy(full).to(dev), *state.caches]
-        if self._lock is None:
+        with self._lock:
             out = self._run(inputs)
-        else:
-            with self._lock:
-                out = self._run(inputs)
         return out[:, -1, :].cpu().numpy()
 
     def _decode_buffers(self, state: AotiState) -> DecodeBuffers:
@@ -147,8 +145,9 @@ class AotiSession(Session):
         buf, T = state.decode, state.held
         if buf.host is None:  # CPU: the static buffers are host memory already
             self._fill(buf.input_ids, buf.position_ids, buf.write_index, buf.mask, ids, pos, mask, T)
-            return self._run([buf.input_ids, buf.position_ids, buf.write_index, buf.mask, *state.caches])[:, -1, :].numpy()
-        assert self._lock is not None
+            with self._lock:
+                out = self._run([buf.input_ids, buf.position_ids, buf.write_index, buf.mask, *state.caches])
+            return out[:, -1, :].numpy()
         with self._lock:
             h_ids, h_pos, h_wi, h_mask = buf.host
             self._fill(h_ids, h_pos, h_wi, h_mask, ids, pos, mask, T)

@@ -1,0 +1,44 @@
+"""amd fixtures: tiny seeded checkpoints and one CPU-compiled amd artifact per family (built once, lazily)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvexport.zoo import TINY_CONFIGS, write_checkpoint
+
+AMD_FAMILIES = sorted(TINY_CONFIGS)  # every registered family: a new one fails here until it compiles
+AMD_MAX_SEQ = 80  # room for verify's 33-token prompt + 32 decode steps
+AMD_MAX_BATCH = 4
+
+
+class _LazyBuilds(dict):
+    """family -> artifact folder, compiled (AOTInductor, CPU, fp32) and verified on first use."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+        self.ckpts: dict[str, Path] = {}
+        self.seconds: dict[str, float] = {}
+
+    def checkpoint(self, family: str) -> Path:
+        if family not in self.ckpts:
+            self.ckpts[family] = write_checkpoint(TINY_CONFIGS[family], self.root / f"ckpt-{family}", seed=11)
+        return self.ckpts[family]
+
+    def __missing__(self, family: str) -> Path:
+        from kvexport.backends import BuildOptions
+        from kvexport.build import build
+
+        t0 = time.perf_counter()
+        path = build(self.checkpoint(family), self.root / f"{family}-amd.kvx", target="amd", max_seq=AMD_MAX_SEQ,
+                     options=BuildOptions(max_batch=AMD_MAX_BATCH, threads=2), verify=True)
+        self.seconds[family] = time.perf_counter() - t0
+        self[family] = path
+        return path
+
+
+@pytest.fixture(scope="session")
+def amd_builds(tmp_path_factory: pytest.TempPathFactory) -> _LazyBuilds:
+    return _LazyBuilds(tmp_path_factory.mktemp("amd"))
