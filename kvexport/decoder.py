@@ -32,6 +32,19 @@ def scatter_rows(cache: Tensor, update: Tensor, write_index: Tensor) -> Tensor:
     return cache.scatter(2, idx, update)
 
 
+def write_rows_inplace(cache: Tensor, update: Tensor, write_index: Tensor) -> Tensor:
+    """The same write, into `cache` itself (returned): cache[b, :, write_index[b] + s] = update[b, :, s].
+
+    torch.export traces it as index_put on the graph input, which AOTInductor keeps in place
+    (the functional scatter compiles to whole-cache copies). Selected by Decoder(inplace_cache=True).
+    """
+    B, H, S, D = update.shape
+    rows = write_index[:, None] + torch.arange(S, device=update.device)[None, :]  # (B, S)
+    batch = torch.arange(B, device=update.device)[:, None]  # (B, 1)
+    cache[batch, :, rows] = update.transpose(1, 2)  # the indexed view is (B, S, H_kv, D)
+    return cache
+
+
 @torch.library.custom_op("kvexport::tensor_scatter", mutates_args=())
 def tensor_scatter(cache: Tensor, update: Tensor, write_index: Tensor) -> Tensor:
     """Emitted as ONNX TensorScatter-24 (mode=linear, axis=-2) by kvexport.export."""
@@ -153,7 +166,7 @@ class Attention(nn.Module):
 
         if owner.cache_style == "static":
             assert write_index is not None
-            write = tensor_scatter if owner.onnx_ops else scatter_rows
+            write = tensor_scatter if owner.onnx_ops else write_rows_inplace if owner.inplace_cache else scatter_rows
             k_all = write(past_k, k, write_index)  # (B, H_kv, L, D): the whole cache
             v_all = write(past_v, v, write_index)
             if owner.onnx_ops:
@@ -206,10 +219,12 @@ class Decoder(nn.Module):
         cache_style: CacheStyle = "static",
         last_token_only: bool = False,
         onnx_ops: bool = False,
+        inplace_cache: bool = False,
     ):
         super().__init__()
         self.cfg, self.max_seq = cfg, max_seq
         self.cache_style, self.last_token_only, self.onnx_ops = cache_style, last_token_only, onnx_ops
+        self.inplace_cache = inplace_cache  # static torch path: mutate past instead of returning new tensors
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         if cfg.position_kind == "learned":
             self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)

@@ -38,3 +38,22 @@ def test_scatter_rows_writes_per_row_offsets() -> None:
     assert out[0, 0, :, 0].tolist() == [1, 2, 0, 0, 0, 0]
     assert out[1, 0, :, 0].tolist() == [0, 0, 0, 3, 4, 0]
     assert cache.abs().sum() == 0  # functional: the input is untouched
+
+
+def test_inplace_cache_mode_matches_the_functional_one(checkpoints: dict[str, Path]) -> None:
+    dec = load_checkpoint(checkpoints["llama"], max_seq=32).decoder
+    B, S, C = 2, 3, 16
+    ids = torch.tensor([random_ids(S, 1), random_ids(S, 2)])
+    wi = torch.tensor([4, 4])
+    pos = wi[:, None] + torch.arange(S)
+    mask = torch.zeros(B, 1, S, C, dtype=torch.bool)
+    mask[..., : 4 + S] = True
+    caches = [torch.randn(dec.cache_shape(B, C)) for _ in range(2 * dec.cfg.num_hidden_layers)]
+    with torch.inference_mode():
+        ref = dec(ids, pos, wi, mask, *[c.clone() for c in caches])
+        dec.inplace_cache = True
+        mine = [c.clone() for c in caches]
+        out = dec(ids, pos, wi, mask, *mine)
+    assert torch.equal(out[0], ref[0])
+    for got, returned, want in zip(mine, out[1:], ref[1:]):
+        assert torch.equal(got, want) and returned.data_ptr() == got.data_ptr()  # written into the input

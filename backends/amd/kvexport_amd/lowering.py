@@ -1,10 +1,7 @@
 """The owned decoder (from the artifact's IR weights) -> torch.export -> an AOTInductor package (.pt2)."""
 from __future__ import annotations
 
-import contextlib
-import threading
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,42 +88,6 @@ def decoder_from_checkpoint(model_dir: Path, manifest: Manifest) -> nn.Module:
     return ck.decoder
 
 
-# --- in-place cache write -------------------------------------------------------------------
-def _write_rows_inplace(cache: Tensor, update: Tensor, write_index: Tensor) -> Tensor:
-    """cache[b, :, write_index[b] + s] = update[b, :, s] in place; returns cache itself.
-
-    cache (B, H_kv, L, D), update (B, H_kv, S, D), write_index (B,). Traced by torch.export as
-    index_put on a graph input, which Inductor keeps in place (the gpt-fast KV-cache pattern);
-    the decoder's functional scatter instead compiles to two whole-cache copies per layer.
-    """
-    B, H, S, D = update.shape
-    rows = write_index[:, None] + torch.arange(S, device=update.device)[None, :]  # (B, S)
-    batch = torch.arange(B, device=update.device)[:, None]  # (B, 1)
-    cache[batch, :, rows] = update.transpose(1, 2)  # indexed view is (B, S, H_kv, D)
-    return cache
-
-
-_patch_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def inplace_cache_writes() -> Iterator[None]:
-    """While tracing, make the owned decoder's static cache write mutate the cache input.
-
-    kvexport.decoder has no switch for this, so its module-level `scatter_rows` (looked up at
-    call time by Attention.forward) is swapped for the duration of the trace and restored after.
-    """
-    import kvexport.decoder as kd
-
-    with _patch_lock:
-        original = kd.scatter_rows
-        kd.scatter_rows = _write_rows_inplace
-        try:
-            yield
-        finally:
-            kd.scatter_rows = original
-
-
 class LogitsOnly(nn.Module):
     """forward(input_ids, position_ids, write_index, attention_mask, *past) -> float32 logits.
 
@@ -173,7 +134,8 @@ def export_program(decoder: nn.Module, *, max_batch: int, dtype: torch.dtype,
         {**row, **({2: seq} if seq else {})},  # attention_mask (B, 1, S, cache_len)
         tuple(dict(row) for _ in args[4:]),  # past (B, H_kv, cache_len, D)
     )
-    with inplace_cache_writes(), torch.no_grad():
+    decoder.inplace_cache = True  # cache writes become index_put on the inputs: kept in place by Inductor
+    with torch.no_grad():
         return torch.export.export(LogitsOnly(decoder), args, dynamic_shapes=dynamic, strict=False)
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-import kvexport.decoder as kd
 from kvexport.artifact import export_artifact
 from kvexport.backends import BuildOptions, get
 from kvexport.checkpoint import load_checkpoint
@@ -148,7 +147,7 @@ def test_cli_gpu_precision_without_gpu_has_no_traceback(amd_builds, tmp_path: Pa
 
 @pytest.mark.parametrize("family", AMD_FAMILIES)
 def test_inplace_write_matches_functional_decoder(amd_builds, family: str) -> None:
-    """The trace-time cache write gives the decoder's own logits and presents, and is restored after."""
+    """Decoder(inplace_cache=True) gives the functional decoder's logits and writes the same presents in place."""
     dec = load_checkpoint(amd_builds.checkpoint(family), 24, torch.float32, cache_style="static",
                           onnx_ops=False).decoder
     g = torch.Generator().manual_seed(0)
@@ -161,10 +160,8 @@ def test_inplace_write_matches_functional_decoder(amd_builds, family: str) -> No
     caches = [torch.randn(dec.cache_shape(B, C), generator=g) for _ in range(2 * dec.cfg.num_hidden_layers)]
     ref = dec(ids, pos, wi, mask, *[c.clone() for c in caches])
     mine = [c.clone() for c in caches]
-    with lowering.inplace_cache_writes():
-        assert kd.scatter_rows is lowering._write_rows_inplace
-        out = lowering.LogitsOnly(dec)(ids, pos, wi, mask, *mine)
-    assert kd.scatter_rows is not lowering._write_rows_inplace
+    dec.inplace_cache = True
+    out = lowering.LogitsOnly(dec)(ids, pos, wi, mask, *mine)
     torch.testing.assert_close(out, ref[0], rtol=0, atol=1e-6)
     for got, want in zip(mine, ref[1:]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
