@@ -148,22 +148,8 @@ class Attention(nn.Module):
         self, x: Tensor, position_ids: Tensor, write_index: Tensor | None, mask: Tensor, past_k: Tensor, past_v: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         cfg, owner = self.cfg, self._owner[0]
-        B, S, _ = x.shape
-        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)  # (B, S, H*D)
-        if cfg.position_kind == "rope":
-            rot = cfg.effective_rotary_dim
-            if owner.onnx_ops:
-                rot_attr = 0 if rot == D else rot
-                q = onnx_ops.rotary_embedding(q, owner.rope_cos, owner.rope_sin, position_ids, num_heads=Hq, rotary_embedding_dim=rot_attr)
-                k = onnx_ops.rotary_embedding(k, owner.rope_cos, owner.rope_sin, position_ids, num_heads=Hkv, rotary_embedding_dim=rot_attr)
-            else:
-                q = apply_rope(q, owner.rope_cos, owner.rope_sin, position_ids, Hq, rot)
-                k = apply_rope(k, owner.rope_cos, owner.rope_sin, position_ids, Hkv, rot)
-        q = q.view(B, S, Hq, D).transpose(1, 2)  # (B, H_q, S, D)
-        k = k.view(B, S, Hkv, D).transpose(1, 2)  # (B, H_kv, S, D)
-        v = v.view(B, S, Hkv, D).transpose(1, 2)  # (B, H_kv, S, D)
-
+        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        q, k, v = self.project(x, position_ids)
         if owner.cache_style == "static":
             assert write_index is not None
             write = tensor_scatter if owner.onnx_ops else write_rows_inplace if owner.inplace_cache else scatter_rows
@@ -182,8 +168,32 @@ class Attention(nn.Module):
             k_all = torch.cat([past_k, k], dim=2)  # (B, H_kv, P+S, D)
             v_all = torch.cat([past_v, v], dim=2)
             y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=cfg.scale, enable_gqa=True)
-        y = y.transpose(1, 2).reshape(B, S, Hq * D)  # (B, S, H_q*D)
-        return self.o_proj(y), k_all, v_all
+        return self.output(y), k_all, v_all
+
+    def project(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, S, hidden) -> q (B, H_q, S, D), k and v (B, H_kv, S, D), RoPE applied."""
+        cfg, owner = self.cfg, self._owner[0]
+        B, S, _ = x.shape
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)  # (B, S, H*D)
+        if cfg.position_kind == "rope":
+            rot = cfg.effective_rotary_dim
+            if owner.onnx_ops:
+                rot_attr = 0 if rot == D else rot
+                q = onnx_ops.rotary_embedding(q, owner.rope_cos, owner.rope_sin, position_ids, num_heads=Hq, rotary_embedding_dim=rot_attr)
+                k = onnx_ops.rotary_embedding(k, owner.rope_cos, owner.rope_sin, position_ids, num_heads=Hkv, rotary_embedding_dim=rot_attr)
+            else:
+                q = apply_rope(q, owner.rope_cos, owner.rope_sin, position_ids, Hq, rot)
+                k = apply_rope(k, owner.rope_cos, owner.rope_sin, position_ids, Hkv, rot)
+        q = q.view(B, S, Hq, D).transpose(1, 2)  # (B, H_q, S, D)
+        k = k.view(B, S, Hkv, D).transpose(1, 2)  # (B, H_kv, S, D)
+        v = v.view(B, S, Hkv, D).transpose(1, 2)  # (B, H_kv, S, D)
+        return q, k, v
+
+    def output(self, y: Tensor) -> Tensor:
+        """Attention result y (B, H_q, S, D) -> o_proj of (B, S, H_q*D)."""
+        B, H, S, D = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, H * D))
 
 
 class Block(nn.Module):
@@ -197,10 +207,14 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, position_ids: Tensor, write_index: Tensor | None, mask: Tensor, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         a, k, v = self.attn(self.attn_norm(x), position_ids, write_index, mask, past_k, past_v)
+        return self.combine(x, a), k, v
+
+    def combine(self, x: Tensor, a: Tensor) -> Tensor:
+        """The residual stream after this block, given its attention output `a`."""
         if self.parallel:
-            return x + a + self.mlp(self.mlp_norm(x)), k, v
+            return x + a + self.mlp(self.mlp_norm(x))
         h = x + a
-        return h + self.mlp(self.mlp_norm(h)), k, v
+        return h + self.mlp(self.mlp_norm(h))
 
 
 class Decoder(nn.Module):
@@ -246,20 +260,30 @@ class Decoder(nn.Module):
             write_index, mask, past = rest[0], rest[1], rest[2:]
         else:
             write_index, mask, past = None, rest[0], rest[1:]
+        x = self.embed(input_ids, position_ids)
+        presents: list[Tensor] = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, position_ids, write_index, mask, past[2 * i], past[2 * i + 1])
+            presents += [k, v]
+        return (self.head(x), *presents)
+
+    def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """(B, S) ids -> (B, S, hidden) residual stream entering the first block."""
         cfg = self.cfg
         x = self.embed_tokens(input_ids)  # (B, S, hidden)
         if cfg.embedding_scale is not None:
             x = x * cfg.embedding_scale
         if cfg.position_kind == "learned":
             x = x + self.embed_positions(position_ids)
-        presents: list[Tensor] = []
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, position_ids, write_index, mask, past[2 * i], past[2 * i + 1])
-            presents += [k, v]
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm and lm_head: (B, S, hidden) -> logits (B, S or 1, vocab)."""
+        cfg = self.cfg
         x = self.norm(x)
         if self.last_token_only:
             x = x[:, -1:, :]  # (B, 1, hidden)
-        logits = self.lm_head(x)  # (B, S or 1, vocab)
+        logits = self.lm_head(x)
         if cfg.final_logit_softcap is not None:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return (logits, *presents)
+        return logits

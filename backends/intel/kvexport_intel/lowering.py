@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvexport.decoder import Decoder, apply_rope
+from kvexport.decoder import Decoder
 from kvexport.errors import ArtifactError
 from kvexport.manifest import Manifest
 
@@ -36,7 +36,7 @@ def decoder_from_ir(folder: Path, manifest: Manifest) -> Decoder:
 
     model = onnx.load(str(folder / manifest.raw["ir"]["file"]), load_external_data=True)
     inits = {i.name: i for i in model.graph.initializer}
-    dec = Decoder(manifest.config, manifest.max_seq, cache_style="concat", onnx_ops=False)
+    dec = Decoder(manifest.config, manifest.max_seq, cache_style="concat", onnx_ops=False, last_token_only=True)
     state: dict[str, Tensor] = {}
     missing = []
     tied = manifest.config.tie_word_embeddings
@@ -82,52 +82,32 @@ class StatefulStep(nn.Module):
 
     def _attention(self, layer: nn.Module, h: Tensor, pos: Tensor, mask: Tensor, beam: Tensor,
                    past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        dec, cfg = self.dec, self.dec.cfg
-        B, S, _ = h.shape
-        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        attn = layer.attn
-        q, k, v = attn.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)  # (B, S, H*D)
-        if cfg.position_kind == "rope":
-            q = apply_rope(q, dec.rope_cos, dec.rope_sin, pos, Hq, cfg.effective_rotary_dim)
-            k = apply_rope(k, dec.rope_cos, dec.rope_sin, pos, Hkv, cfg.effective_rotary_dim)
-        q = q.view(B, S, Hq, D).transpose(1, 2)  # (B, H_q, S, D)
-        k = k.view(B, S, Hkv, D).transpose(1, 2)  # (B, H_kv, S, D)
-        v = v.view(B, S, Hkv, D).transpose(1, 2)
+        cfg = self.dec.cfg
+        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        q, k, v = layer.attn.project(h, pos)  # q (B, H_q, S, D), k/v (B, H_kv, S, D), RoPE applied
         k_all = torch.cat([past_k.index_select(0, beam), k], dim=2)  # (B, H_kv, P+S, D): the Assign'd state
         v_all = torch.cat([past_v.index_select(0, beam), v], dim=2)
-        rep, T = Hq // Hkv, k_all.shape[2]
+        B, _, T, D = k_all.shape
+        rep = Hq // Hkv
         if rep > 1:  # unsqueeze -> expand -> reshape: the GQA broadcast the fusion recognises
             k_rep = k_all[:, :, None].expand(B, Hkv, rep, T, D).reshape(B, Hq, T, D)
             v_rep = v_all[:, :, None].expand(B, Hkv, rep, T, D).reshape(B, Hq, T, D)
         else:
             k_rep, v_rep = k_all, v_all
         y = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask, scale=cfg.scale)  # (B, H_q, S, D)
-        y = y.transpose(1, 2).reshape(B, S, Hq * D)
-        return attn.o_proj(y), k_all, v_all
+        return layer.attn.output(y), k_all, v_all
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, beam_idx: Tensor,
                 *past: Tensor) -> tuple[Tensor, ...]:
-        dec, cfg = self.dec, self.dec.cfg
-        x = dec.embed_tokens(input_ids)  # (B, S, hidden)
-        if cfg.embedding_scale is not None:
-            x = x * cfg.embedding_scale
-        if cfg.position_kind == "learned":
-            x = x + dec.embed_positions(position_ids)
+        dec = self.dec
+        x = dec.embed(input_ids, position_ids)  # (B, S, hidden)
         presents: list[Tensor] = []
         for i, layer in enumerate(dec.layers):
             a, k, v = self._attention(layer, layer.attn_norm(x), position_ids, attention_mask, beam_idx,
                                       past[2 * i], past[2 * i + 1])
-            if layer.parallel:
-                x = x + a + layer.mlp(layer.mlp_norm(x))
-            else:
-                x = x + a
-                x = x + layer.mlp(layer.mlp_norm(x))
+            x = layer.combine(x, a)
             presents += [k, v]
-        x = dec.norm(x)[:, -1:, :]  # (B, 1, hidden): only the last token's logits are used
-        logits = dec.lm_head(x)
-        if cfg.final_logit_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return (logits, *presents)
+        return (dec.head(x), *presents)  # the decoder is last-token-only: (B, 1, vocab)
 
 
 def _example(dec: Decoder) -> tuple[Tensor, ...]:
