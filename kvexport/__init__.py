@@ -1,7 +1,12 @@
 """kvexport: decoder-only LLMs -> ONNX IR with an explicit KV cache -> per-vendor engines."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from kvexport.runtime.engine import Engine
 
 from kvexport.errors import (  # noqa: E402
     ArtifactError,
@@ -18,7 +23,7 @@ from kvexport.errors import (  # noqa: E402
 )
 
 
-def load(path: str, **options: object) -> "Engine":  # noqa: F821
+def load(path: str, **options: object) -> Engine:
     """Load an artifact folder and return an Engine (see kvexport.runtime.engine)."""
     from kvexport.runtime.engine import load as _load
 
