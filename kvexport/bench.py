@@ -15,13 +15,13 @@ from kvexport.runtime.engine import Engine
 Progress = Callable[[str], None]
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**20
 
 
-def _peak_rss_mb() -> float:
+def _peakrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -86,8 +86,11 @@ class HFBaseline:
         transformers.utils.logging.disable_progress_bar()
         torch.set_num_threads(threads)
         self.torch = torch
+        self.rss0 = rss_mb()
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+        # the model's memory once it has run (safetensors maps weights lazily), frameworks already imported
+        self.load_rss_mb = 0.0
         self.vocab = self.model.config.vocab_size
 
     def run(self, prompt_len: int, new_tokens: int, use_cache: bool) -> dict[str, Any]:
@@ -95,15 +98,20 @@ class HFBaseline:
         x = torch.tensor([_prompt(prompt_len, self.vocab)])
         # without a cache every token re-reads the whole prefix: a few tokens give its rate
         n = new_tokens if use_cache else max(3, min(new_tokens, 8 if prompt_len <= 64 else 3))
-        with torch.inference_mode():
+        def timed(k: int) -> float:
             t = time.perf_counter()
-            self.model(x, use_cache=use_cache)
-            ttft = time.perf_counter() - t
-            t = time.perf_counter()
-            self.model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=use_cache,
+            self.model.generate(x, max_new_tokens=k, min_new_tokens=k, do_sample=False, use_cache=use_cache,
                                 pad_token_id=0)
-            total = time.perf_counter() - t
-        return {"ttft_s": ttft, "decode_tok_s": (n - 1) / max(total - ttft, 1e-9), "tokens": n}
+            return time.perf_counter() - t
+
+        with torch.inference_mode():
+            timed(2)  # warm-up: generate()'s first call per shape builds its caches
+            first = timed(1)  # prefill + first token, through the same generate() path
+            total = timed(n)
+        self.load_rss_mb = max(self.load_rss_mb, rss_mb() - self.rss0)
+        # decode rate from the difference of two generate() calls: the prefill and generate's own
+        # set-up cancel out (a tiny model can still make it noisy: its decode is not the point)
+        return {"ttft_s": first, "decode_tok_s": (n - 1) / max(total - first, 1e-6), "tokens": n}
 
 
 def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -115,7 +123,8 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int, ...] = (32, 512),
               new_tokens: int = 64, threads: int = 2, others: list[Engine] | None = None,
-              baselines: bool = True, rounds: int = 3, progress: Progress | None = None) -> dict[str, Any]:
+              baselines: bool = True, rounds: int = 3, engine_load_rss_mb: float | None = None,
+              progress: Progress | None = None) -> dict[str, Any]:
     """Engine, other engines and the transformers baseline are timed back to back in each round,
     so a burst of load from elsewhere hits all of them; each keeps its best round."""
     say = progress or (lambda _m: None)
@@ -141,7 +150,7 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
         for r in range(rounds):
             say(f"prompt {p}, round {r + 1}/{rounds}")
             runs["engine"].append(bench_engine(engine, p, new_tokens))
-            engine_rss = max(engine_rss, _rss_mb())
+            engine_rss = max(engine_rss, rss_mb())
             for other in others or []:
                 runs.setdefault(f"other:{other.folder}", []).append(bench_engine(other, p, new_tokens))
             if hf is not None:
@@ -157,14 +166,20 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
             say(f"prompt {p}: transformers eager without cache")
             row["hf_nocache"] = hf.run(p, new_tokens, False)
             e, h, hn = row["engine"], row["hf_cache"], row["hf_nocache"]
+            # transformers' DynamicCache holds exactly the tokens seen, in the model dtype
+            h["kv_cache_bytes"] = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * (p + new_tokens)
             row["ratios"] = {
                 "decode_vs_hf_cache": e["decode_tok_s"] / h["decode_tok_s"],
                 "decode_vs_hf_nocache": e["decode_tok_s"] / hn["decode_tok_s"],
                 "ttft_vs_hf_cache": e["ttft_s"] / h["ttft_s"],
+                "kv_bytes_vs_hf_cache": e["kv_cache_bytes"] / h["kv_cache_bytes"],
             }
         report["prompts"][str(p)] = row
     report["rss_mb_engine"] = engine_rss
-    report["peak_rss_mb"] = _peak_rss_mb()
+    report["peak_rss_mb"] = _peakrss_mb()
+    if engine_load_rss_mb is not None and hf is not None:
+        report["memory"] = {"engine_load_rss_mb": engine_load_rss_mb, "hf_load_rss_mb": hf.load_rss_mb,
+                            "ratio": engine_load_rss_mb / max(hf.load_rss_mb, 1e-9)}
     return report
 
 
@@ -188,7 +203,11 @@ def format_report(r: dict[str, Any]) -> str:
             lines.append(f"  HF eager    decode {h['decode_tok_s']:7.1f} tok/s   ttft {h['ttft_s'] * 1e3:7.1f} ms")
             lines.append(f"  HF no cache decode {hn['decode_tok_s']:7.1f} tok/s")
             lines.append(f"  ratios      decode {q['decode_vs_hf_cache']:.2f}x HF eager, {q['decode_vs_hf_nocache']:.1f}x no-cache; "
-                         f"ttft {q['ttft_vs_hf_cache']:.2f}x HF eager")
+                         f"ttft {q['ttft_vs_hf_cache']:.2f}x HF eager; KV bytes {q['kv_bytes_vs_hf_cache']:.2f}x HF's")
     lines.append(f"RSS: {r['rss_mb_engine']:.0f} MiB after the engine's runs; process peak {r['peak_rss_mb']:.0f} MiB"
                  " (baselines included)")
+    if "memory" in r:
+        m = r["memory"]
+        lines.append(f"memory: engine load {m['engine_load_rss_mb']:.0f} MiB, HF eager model after running {m['hf_load_rss_mb']:.0f} MiB "
+                     f"({m['ratio']:.2f}x)")
     return "\n".join(lines)

@@ -120,16 +120,18 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from kvexport.bench import format_report, run_bench
+    from kvexport.bench import rss_mb, format_report, run_bench
 
+    rss0 = rss_mb()
     engine = _load(a.artifact, a, a.threads)
+    engine_load_rss = rss_mb() - rss0
     others = [_load(p, a, a.threads) for p in a.compare]
     prompts = tuple(int(x) for x in a.prompts.split(","))
     if a.reference is not None and not Path(a.reference).is_dir():
         raise InputError(f"--reference {a.reference} is not a checkpoint folder")
     r = run_bench(engine, reference=Path(a.reference) if a.reference else None, prompt_lens=prompts,
                   new_tokens=a.new_tokens, threads=a.threads, others=others, baselines=not a.no_baselines,
-                  progress=_Progress(a.quiet))
+                  engine_load_rss_mb=engine_load_rss, progress=_Progress(a.quiet))
     print(json.dumps(r, indent=2) if a.json else format_report(r))
     return 0
 
