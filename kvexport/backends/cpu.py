@@ -17,6 +17,7 @@ from kvexport.runtime.buffers import aligned_zeros, capacity_for
 from kvexport.runtime.session import Session
 
 ENGINE_DIR = "engine"
+FUSED_TMP = "model.fused.tmp.onnx"
 OPT_MODEL = "model.opt.onnx"
 OPT_DATA = "model.opt.onnx.data"
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -93,7 +94,10 @@ class CpuBackend(_Backend):
 
     def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
         """Run ONNX Runtime's graph optimizer once and store its result, so loading is fast."""
+        import onnx
         import onnxruntime as ort
+
+        from kvexport.backends.cpu_fusion import fuse_group_query_attention
 
         self.require_available()
         precision = options.precision or "fp32"
@@ -101,17 +105,25 @@ class CpuBackend(_Backend):
             raise InputError(f"the cpu target supports precision fp32 only, not {precision!r}")
         engine = folder / ENGINE_DIR
         engine.mkdir(exist_ok=True)
-        progress("optimizing the graph with ONNX Runtime")
+        progress("lowering attention to ONNX Runtime's GroupQueryAttention and optimizing the graph")
         t0 = time.perf_counter()
-        ort.InferenceSession(str(folder / manifest.raw["ir"]["file"]),
-                             _session_options(1, engine / OPT_MODEL), providers=["CPUExecutionProvider"])
-        progress(f"optimized in {time.perf_counter() - t0:.1f}s")
+        ir = folder / manifest.raw["ir"]["file"]
+        model = onnx.load(str(ir), load_external_data=False)  # weights stay in model.onnx.data
+        fused = fuse_group_query_attention(model)
+        staged = folder / FUSED_TMP  # beside the IR so its external-data path still resolves
+        try:
+            onnx.save_model(model, str(staged))
+            ort.InferenceSession(str(staged), _session_options(1, engine / OPT_MODEL),
+                                 providers=["CPUExecutionProvider"])
+        finally:
+            staged.unlink(missing_ok=True)
+        progress(f"optimized in {time.perf_counter() - t0:.1f}s ({fused} attention layers fused)")
         manifest.raw["target"] = {
             "backend": "cpu",
             "precision": precision,
             "engine_files": [f"{ENGINE_DIR}/{OPT_MODEL}", f"{ENGINE_DIR}/{OPT_DATA}"],
             "fingerprint": fingerprint(),
-            "options": {"threads": options.threads},
+            "options": {"threads": options.threads, "fused_attention_layers": fused},
         }
 
     def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,

@@ -1,0 +1,83 @@
+"""The cpu engine's lowering of TensorScatter + Attention to GroupQueryAttention."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from kvexport import manifest as mf
+from kvexport.backends.cpu_fusion import fuse_group_query_attention
+from tests.conftest import random_ids
+
+
+def test_engine_graph_has_one_fused_attention_per_layer(artifacts: dict[str, Path]) -> None:
+    folder = artifacts["mistral"]
+    m = mf.read(folder)
+    g = onnx.load(str(folder / "engine" / "model.opt.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in g.node]
+    assert ops.count("GroupQueryAttention") == m.config.num_hidden_layers
+    assert "TensorScatter" not in ops and "Attention" not in ops
+    assert m.target is not None and m.target["options"]["fused_attention_layers"] == m.config.num_hidden_layers
+    ir = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    assert "GroupQueryAttention" not in [n.op_type for n in ir.node]  # the IR itself stays standard ONNX
+
+
+def test_fused_graph_matches_the_ir_with_padding_and_in_place_writes(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    folder = artifacts["qwen2"]
+    man = mf.read(folder)
+    cfg = man.config
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    assert fuse_group_query_attention(model) == cfg.num_hidden_layers
+    fused = folder / "test-fused.onnx"  # beside the IR: shares its external data
+    onnx.save_model(model, str(fused))
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    try:
+        ref = ort.InferenceSession(str(folder / "model.onnx"), so)
+        fus = ort.InferenceSession(str(fused), so)
+    finally:
+        fused.unlink()
+    B, S, L = 2, 6, 32
+    pad = np.array([0, 4])
+    ids = np.array([random_ids(S, 1), [0] * 4 + random_ids(2, 2)])
+    pos = np.maximum(np.arange(S)[None] - pad[:, None], 0)
+    valid = np.arange(L)[None] >= pad[:, None]
+    i = np.arange(S)
+    mask = np.zeros((B, 1, S, L), bool)
+    mask[:, 0, :, :S] = (i[None, :] <= i[:, None])[None] & valid[:, None, :S]
+    for b in range(B):
+        mask[b, 0, np.arange(pad[b]), np.arange(pad[b])] = True
+
+    def run(sess: ort.InferenceSession, ids: np.ndarray, pos: np.ndarray, wi: np.ndarray, mask: np.ndarray,
+            caches: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        feeds = {"input_ids": ids, "position_ids": pos, "write_index": wi, "attention_mask": mask}
+        feeds.update({p: c for (p, _), c in zip(man.kv_pairs(), caches)})
+        out = sess.run(None, feeds)
+        return out[0], out[1:]
+
+    zeros = [np.zeros((B, cfg.num_key_value_heads, L, cfg.head_dim), np.float32) for _ in man.kv_pairs()]
+    a, ca = run(ref, ids, pos, np.zeros(B, np.int64), mask, [z.copy() for z in zeros])
+    f, cf = run(fus, ids, pos, np.zeros(B, np.int64), mask, [z.copy() for z in zeros])
+    assert np.abs(a - f).max() < 1e-4
+    for t in range(S, S + 6):
+        tok = a[:, -1].argmax(-1)[:, None]
+        step_mask = np.zeros((B, 1, 1, L), bool)
+        step_mask[:, 0, 0, : t + 1] = valid[:, : t + 1]
+        a, ca = run(ref, tok, (t - pad)[:, None], np.full(B, t), step_mask, ca)
+        f, cf = run(fus, tok, (t - pad)[:, None], np.full(B, t), step_mask, cf)
+        assert np.abs(a - f).max() < 1e-4, t
+        assert max(np.abs(x[:, :, : t + 1] - y[:, :, : t + 1]).max() for x, y in zip(ca, cf)) < 1e-4
+
+
+def test_concat_style_is_left_alone(checkpoints: dict[str, Path], workdir: Path) -> None:
+    from kvexport.artifact import export_artifact
+
+    folder = workdir / "llama-concat.kvx"
+    if not folder.exists():
+        export_artifact(checkpoints["llama"], folder, max_seq=128, cache_style="concat")
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    before = [n.op_type for n in model.graph.node]
+    assert fuse_group_query_attention(model) == 0
+    assert [n.op_type for n in model.graph.node] == before
