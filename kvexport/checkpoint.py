@@ -90,6 +90,14 @@ class _TensorIndex:
             self._handles[f] = safe_open(str(f), framework="pt").__enter__()
         return self._handles[f].get_tensor(name)  # type: ignore[attr-defined]
 
+    def __enter__(self) -> _TensorIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)  # type: ignore[attr-defined]
+        self._handles.clear()
+
 
 def _resolve(index: _TensorIndex, wm: WeightMap, name: str) -> str | None:
     for p in wm.prefixes:
@@ -130,33 +138,33 @@ def load_checkpoint(model_dir: str | Path, max_seq: int | None = None, dtype: to
         )
     with torch.device("meta"):
         decoder = Decoder(cfg, max_seq, **decoder_kwargs)
-    index = _TensorIndex(files)
-    wm = arch.weights
-    state: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    missing: list[str] = []
-    for canonical, param in decoder.named_parameters():  # tied lm_head appears once, as embed_tokens
-        sources = canonical_to_hf(wm, canonical)
-        resolved = [_resolve(index, wm, s) for s in sources]
-        if any(r is None for r in resolved):
-            missing += [s for s, r in zip(sources, resolved) if r is None]
-            continue
-        parts = []
-        for r in resolved:
-            t = index.get(r)  # type: ignore[arg-type]
-            parts.append(t.t() if wm.transposes(canonical) else t)
-            used.add(r)  # type: ignore[arg-type]
-        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if tuple(t.shape) != tuple(param.shape):
-            shapes = ", ".join(f"{r} {tuple(index.get(r).shape)}" for r in resolved)  # type: ignore[arg-type]
-            raise WeightShapeError(
-                f"weight for {canonical} has shape {tuple(t.shape)} (from {shapes}) but config.json predicts "
-                f"{tuple(param.shape)}; the weights do not belong to this config.json (check hidden_size, "
-                "num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size)"
-            )
-        if not t.is_floating_point():
-            raise CheckpointError(f"weight {resolved[0]} has dtype {t.dtype}; quantized checkpoints are not supported yet")
-        state[canonical] = t.to(dtype)
+    with _TensorIndex(files) as index:
+        wm = arch.weights
+        state: dict[str, torch.Tensor] = {}
+        used: set[str] = set()
+        missing: list[str] = []
+        for canonical, param in decoder.named_parameters():  # tied lm_head appears once, as embed_tokens
+            sources = canonical_to_hf(wm, canonical)
+            resolved = [_resolve(index, wm, s) for s in sources]
+            if any(r is None for r in resolved):
+                missing += [s for s, r in zip(sources, resolved) if r is None]
+                continue
+            parts = []
+            for r in resolved:
+                t = index.get(r)  # type: ignore[arg-type]
+                parts.append(t.t() if wm.transposes(canonical) else t)
+                used.add(r)  # type: ignore[arg-type]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if tuple(t.shape) != tuple(param.shape):
+                shapes = ", ".join(f"{r} {tuple(index.get(r).shape)}" for r in resolved)  # type: ignore[arg-type]
+                raise WeightShapeError(
+                    f"weight for {canonical} has shape {tuple(t.shape)} (from {shapes}) but config.json predicts "
+                    f"{tuple(param.shape)}; the weights do not belong to this config.json (check hidden_size, "
+                    "num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size)"
+                )
+            if not t.is_floating_point():
+                raise CheckpointError(f"weight {resolved[0]} has dtype {t.dtype}; quantized checkpoints are not supported yet")
+            state[canonical] = t.to(dtype)
     if missing:
         raise CheckpointError(
             f"{model_dir} lacks {len(missing)} weight(s) the {cfg.model_type} config needs: "
