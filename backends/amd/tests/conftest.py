@@ -42,3 +42,17 @@ class _LazyBuilds(dict):
 @pytest.fixture(scope="session")
 def amd_builds(tmp_path_factory: pytest.TempPathFactory) -> _LazyBuilds:
     return _LazyBuilds(tmp_path_factory.mktemp("amd"))
+
+
+def batch_greedy(engine, prompts: list[list[int]], steps: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Greedy tokens per row, decoding the prompts together as one left-padded batch."""
+    batch = engine.prefill(prompts, steps)
+    together: list[list[int]] = [[] for _ in prompts]
+    logits = batch.logits
+    for _ in range(steps):
+        tok = logits.argmax(-1)
+        for b in range(len(prompts)):
+            together[b].append(int(tok[b]))
+        logits = engine.decode(batch, tok)
+    engine.session.release(batch.state)
+    return together

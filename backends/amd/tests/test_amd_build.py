@@ -17,7 +17,7 @@ from kvexport.errors import ArtifactError, BackendUnavailableError, ContextOverf
 from kvexport.tolerances import tolerance
 from kvexport_amd import AmdBackend, lowering
 
-from conftest import AMD_FAMILIES, AMD_MAX_SEQ
+from conftest import AMD_FAMILIES, batch_greedy, AMD_MAX_SEQ
 
 STEPS = 32
 
@@ -108,15 +108,7 @@ def test_batch_rows_do_not_affect_each_other(amd_builds) -> None:
     engine = kvexport.load(amd_builds["qwen2"])
     prompts = [[40, 41, 42, 43, 44, 45, 46], [70, 71, 72]]
     alone = [_engine_greedy(engine, p, 8)[0] for p in prompts]
-    batch = engine.prefill(prompts, 8)
-    together: list[list[int]] = [[], []]
-    logits = batch.logits
-    for _ in range(8):
-        tok = logits.argmax(-1)
-        for b in range(2):
-            together[b].append(int(tok[b]))
-        logits = engine.decode(batch, tok)
-    assert together == alone
+    assert batch_greedy(engine, prompts, 8) == alone
 
 
 def test_distinct_states_on_threads(amd_builds) -> None:

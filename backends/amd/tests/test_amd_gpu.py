@@ -10,7 +10,7 @@ import torch
 import kvexport
 from kvexport_amd import device as dv
 
-from conftest import AMD_MAX_BATCH
+from conftest import AMD_MAX_BATCH, batch_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,12 +79,4 @@ def test_gpu_batch_rows_and_threads(gpu_artifact: Path) -> None:
     engine = kvexport.load(gpu_artifact)
     prompts = [[1, 40, 41, 42, 43, 44, 45], [1, 70, 71]]
     alone = [_greedy(engine, p, 8)[0] for p in prompts]
-    batch = engine.prefill(prompts, 8)
-    together: list[list[int]] = [[], []]
-    logits = batch.logits
-    for _ in range(8):
-        tok = logits.argmax(-1)
-        for b in range(2):
-            together[b].append(int(tok[b]))
-        logits = engine.decode(batch, tok)
-    assert together == alone
+    assert batch_greedy(engine, prompts, 8) == alone
