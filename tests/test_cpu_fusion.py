@@ -5,10 +5,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 import onnxruntime as ort
 
 from kvexport import manifest as mf
-from kvexport.backends.cpu_fusion import fuse_group_query_attention
+from kvexport.backends.cpu_fusion import fuse_group_query_attention, lower_for_onnxruntime
 from tests.conftest import random_ids
 
 
@@ -24,12 +25,29 @@ def test_engine_graph_has_one_fused_attention_per_layer(artifacts: dict[str, Pat
     assert "GroupQueryAttention" not in [n.op_type for n in ir.node]  # the IR itself stays standard ONNX
 
 
-def test_fused_graph_matches_the_ir_with_padding_and_in_place_writes(artifacts: dict[str, Path], tmp_path: Path) -> None:
-    folder = artifacts["qwen2"]
+def test_engine_graph_reads_packed_qkv_and_folds_residual_adds(artifacts: dict[str, Path]) -> None:
+    gpt2 = onnx.load(str(artifacts["gpt2"] / "engine" / "model.opt.onnx"), load_external_data=False).graph
+    n_gpt2 = mf.read(artifacts["gpt2"]).config.num_hidden_layers
+    attn = [n for n in gpt2.node if n.op_type == "GroupQueryAttention"]
+    assert len(attn) == n_gpt2 and all(n.input[1] == "" and n.input[2] == "" for n in attn)  # packed q|k|v
+    llama = onnx.load(str(artifacts["llama"] / "engine" / "model.opt.onnx"), load_external_data=False).graph
+    layers = mf.read(artifacts["llama"]).config.num_hidden_layers
+    ops = [n.op_type for n in llama.node]
+    # every norm but the first layer's (it reads the embedding, no residual yet) absorbs its Add
+    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers
+    assert ops.count("RMSNormalization") == 1
+    assert ops.count("RotaryEmbedding") == 2 * layers  # RoPE stays outside: see _packed_qkv
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_fused_graph_matches_the_ir_with_padding_and_in_place_writes(artifacts: dict[str, Path], family: str) -> None:
+    folder = artifacts[family]
     man = mf.read(folder)
     cfg = man.config
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    assert fuse_group_query_attention(model) == cfg.num_hidden_layers
+    done = lower_for_onnxruntime(model)
+    assert done["fused_attention_layers"] == cfg.num_hidden_layers
+    assert done["fused_skip_norms"] == (2 * cfg.num_hidden_layers if family == "qwen2" else 0)
     fused = folder / "test-fused.onnx"  # beside the IR: shares its external data
     onnx.save_model(model, str(fused))
     so = ort.SessionOptions()

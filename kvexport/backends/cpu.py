@@ -97,7 +97,7 @@ class CpuBackend(_Backend):
         import onnx
         import onnxruntime as ort
 
-        from kvexport.backends.cpu_fusion import fuse_group_query_attention
+        from kvexport.backends.cpu_fusion import lower_for_onnxruntime
 
         self.require_available()
         precision = options.precision or "fp32"
@@ -109,7 +109,7 @@ class CpuBackend(_Backend):
         t0 = time.perf_counter()
         ir = folder / manifest.raw["ir"]["file"]
         model = onnx.load(str(ir), load_external_data=False)  # weights stay in model.onnx.data
-        fused = fuse_group_query_attention(model)
+        fused = lower_for_onnxruntime(model)
         staged = folder / FUSED_TMP  # beside the IR so its external-data path still resolves
         try:
             onnx.save_model(model, str(staged))
@@ -117,13 +117,14 @@ class CpuBackend(_Backend):
                                  providers=["CPUExecutionProvider"])
         finally:
             staged.unlink(missing_ok=True)
-        progress(f"optimized in {time.perf_counter() - t0:.1f}s ({fused} attention layers fused)")
+        progress(f"optimized in {time.perf_counter() - t0:.1f}s ({fused['fused_attention_layers']} attention "
+                 f"layers fused, {fused['fused_skip_norms']} residual adds folded into their RMS norms)")
         manifest.raw["target"] = {
             "backend": "cpu",
             "precision": precision,
             "engine_files": [f"{ENGINE_DIR}/{OPT_MODEL}", f"{ENGINE_DIR}/{OPT_DATA}"],
             "fingerprint": fingerprint(),
-            "options": {"threads": options.threads, "fused_attention_layers": fused},
+            "options": {"threads": options.threads, **fused},
         }
 
     def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,

@@ -1,5 +1,6 @@
 """cpu engine lowering: the IR's TensorScatter + Attention per layer -> ONNX Runtime's fused
-GroupQueryAttention (com.microsoft), writing the shared past/present buffer in place.
+GroupQueryAttention (com.microsoft), writing the shared past/present buffer in place; each
+residual Add + RMSNormalization -> SkipSimplifiedLayerNormalization.
 
 The IR stays standard ONNX; only the cpu engine graph (engine/model.opt.onnx) carries the contrib
 op. Semantics are kept exactly: the IR's bool mask becomes GQA's additive attention_bias (pad
@@ -11,6 +12,12 @@ import onnx
 from onnx import TensorProto, helper
 
 MASKED = -1e30  # finite: a row that masks everything but itself never meets -inf - -inf
+
+
+def lower_for_onnxruntime(model: onnx.ModelProto) -> dict[str, int]:
+    """Every rewrite of the cpu engine graph, in order; returns what each did (for the manifest)."""
+    return {"fused_attention_layers": fuse_group_query_attention(model),
+            "fused_skip_norms": fuse_skip_rms_norm(model)}
 
 
 def _producers(g: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -92,9 +99,11 @@ def fuse_group_query_attention(model: onnx.ModelProto) -> int:
     dead: set[int] = set()
     for a, tk, tv, q3, k3, v3, merge in plans:
         scope = a.name.rsplit("/", 1)[0]
+        packed = _packed_qkv(prod, cons, q3, k3, v3)
+        qkv = [q3, k3, v3] if packed is None else [packed, "", ""]
         gqa = helper.make_node(
             "GroupQueryAttention",
-            [q3, k3, v3, tk.input[0], tv.input[0], "kvx_gqa/seqlens_k", "kvx_gqa/total", "", "", "", "kvx_gqa/bias"],
+            [*qkv, tk.input[0], tv.input[0], "kvx_gqa/seqlens_k", "kvx_gqa/total", "", "", "", "kvx_gqa/bias"],
             [merge.output[0], tk.output[0], tv.output[0]],
             name=f"{scope}/GroupQueryAttention_0", domain="com.microsoft",
             num_heads=int(_attr(a, "q_num_heads")), kv_num_heads=int(_attr(a, "kv_num_heads")),
@@ -109,6 +118,58 @@ def fuse_group_query_attention(model: onnx.ModelProto) -> int:
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return len(plans)
+
+
+def _packed_qkv(prod: dict[str, onnx.NodeProto], cons: dict[str, list[onnx.NodeProto]], q: str, k: str,
+                v: str) -> str | None:
+    """The fused projection behind q, k, v when they are a bare Split of it (no RoPE between):
+    GroupQueryAttention then reads it packed and the Split goes. Models with RoPE keep the Split and
+    their RotaryEmbedding nodes: GroupQueryAttention's own rotation (do_rotary) takes the decode
+    position from seqlens_k, i.e. the slot, not position_ids, which is wrong for left-padded rows
+    (measured: ONNX Runtime 1.31, tests/test_cpu_fusion.py)."""
+    split = prod.get(q)
+    if split is None or split.op_type != "Split" or list(split.output) != [q, k, v]:
+        return None
+    if int(_attr(split, "axis") or 0) not in (-1, 2) or any(len(cons.get(x, [])) != 1 for x in (q, k, v)):
+        return None
+    return split.input[0]
+
+
+def fuse_skip_rms_norm(model: onnx.ModelProto) -> int:
+    """Residual Add + RMSNormalization -> com.microsoft SkipSimplifiedLayerNormalization, which
+    returns both the normalized tensor and the sum the next residual reads: one kernel instead of
+    two, twice per layer. Returns how many were fused."""
+    g = model.graph
+    prod, cons = _producers(g), _consumers(g)
+    inits = {t.name for t in g.initializer}
+    replace: dict[int, onnx.NodeProto] = {}
+    dead: set[int] = set()
+    for n in g.node:
+        if n.op_type != "RMSNormalization" or n.domain != "" or len(n.input) != 2:
+            continue
+        add = prod.get(n.input[0])
+        if add is None or add.op_type != "Add" or id(add) in replace or any(i in inits for i in add.input):
+            continue
+        if n.input[1] not in inits:
+            continue  # the fused node takes the Add's place, where gamma must already exist
+        if int(_attr(n, "axis") if _attr(n, "axis") is not None else -1) != -1 or _attr(n, "stash_type") not in (None, 1):
+            continue
+        if any(u.op_type == "RMSNormalization" and u is not n for u in cons.get(add.output[0], [])):
+            continue
+        eps = _attr(n, "epsilon")
+        replace[id(add)] = helper.make_node(
+            "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], n.input[1]],
+            [n.output[0], "", "", add.output[0]], name=n.name.replace("RMSNormalization", "SkipSimplifiedLayerNormalization"),
+            domain="com.microsoft", epsilon=float(eps if eps is not None else 1e-5))
+        dead.add(id(n))
+    if not replace:
+        return 0
+    nodes = [replace.get(id(n), n) for n in g.node if id(n) not in dead]
+    del g.node[:]
+    g.node.extend(nodes)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return len(replace)
 
 
 def _drop_dead(g: onnx.GraphProto) -> None:
