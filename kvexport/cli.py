@@ -127,10 +127,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     engine_load_rss = rss_mb() - rss0
     others = [_load(p, a, a.threads) for p in a.compare]
     prompts = tuple(int(x) for x in a.prompts.split(","))
+    if a.rounds < 1:
+        raise InputError(f"--rounds must be at least 1, got {a.rounds}")
     if a.reference is not None and not Path(a.reference).is_dir():
         raise InputError(f"--reference {a.reference} is not a checkpoint folder")
     r = run_bench(engine, reference=Path(a.reference) if a.reference else None, prompt_lens=prompts,
                   new_tokens=a.new_tokens, threads=a.threads, others=others, baselines=not a.no_baselines,
+                  rounds=a.rounds,
                   engine_load_rss_mb=engine_load_rss, progress=_Progress(a.quiet))
     print(json.dumps(r, indent=2) if a.json else format_report(r))
     return 0
@@ -255,6 +258,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--prompts", default="32,512")
     s.add_argument("--new-tokens", type=int, default=64)
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds (engine, --compare engines, transformers back to back in each)")
     s.add_argument("--no-rebuild", action="store_true",
                    help="fail instead of rebuilding when the engine was built for another device or SDK")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend load option")

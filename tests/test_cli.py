@@ -45,12 +45,17 @@ def test_verify_and_bench_commands(default_artifact: Path, tmp_path: Path) -> No
     kvx("make-checkpoint", "default", "-o", str(ref))
     v = kvx("verify", str(default_artifact), "--reference", str(ref), "--steps", "8", "--json", "-q")
     assert json.loads(v.stdout)["passed"] is True
-    b = kvx("bench", str(default_artifact), "--reference", str(ref), "--prompts", "8", "--new-tokens", "8", "--json", "-q")
+    b = kvx("bench", str(default_artifact), "--reference", str(ref), "--prompts", "8", "--new-tokens", "8",
+            "--rounds", "2", "--json", "-q")
     r = json.loads(b.stdout)["prompts"]["8"]
     assert r["engine"]["decode_tok_s"] > 0 and r["ratios"]["decode_vs_hf_cache"] > 0
+    paired = r["ratios"]["decode_vs_hf_cache_per_round"]
+    assert len(paired) == 2 and min(paired) <= r["ratios"]["decode_vs_hf_cache_median_round"] <= max(paired)
     assert r["engine"]["cache_bytes_copied_per_decode_step"] == 0
     text = kvx("bench", str(default_artifact), "--prompts", "8", "--new-tokens", "4", "--no-baselines", "-q").stdout
     assert "decode" in text and "bound" in text
+    bad = kvx("bench", str(default_artifact), "--rounds", "0", "--no-baselines", "-q", ok=False)
+    assert bad.returncode != 0 and "--rounds" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_verify_fails_with_exit_4_against_other_weights(default_artifact: Path, tmp_path: Path) -> None:
