@@ -25,22 +25,35 @@ def _peakrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def read_bandwidth_gbs(threads: int, mbytes: int = 512) -> float:
-    """Streaming read bandwidth: best of 5 sums over a touched buffer far larger than the caches."""
-    import torch
+class BandwidthProbe:
+    """Streaming read bandwidth: best of 5 sums over a buffer far larger than the caches.
 
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        x = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32)
-        best = 0.0
-        for _ in range(5):
-            t = time.perf_counter()
-            x.sum()
-            best = max(best, x.numel() * 4 / (time.perf_counter() - t) / 1e9)
-        return best
-    finally:
-        torch.set_num_threads(prev)
+    The buffer is allocated once per bench run and kept: allocating and freeing 512 MiB between
+    timed runs made the run right after it ~10% slower on this project's KVM guests (measured:
+    prompt 512, the first engine after a fresh-buffer probe 36-37 tok/s against 40-41 for the
+    same engine second in the round; with a kept buffer both 41), which biased the ratios against
+    whichever runner came first. Freed guest memory is reported back to the host and faulted in
+    again, work that lands on the next runner's cores."""
+
+    def __init__(self, threads: int, mbytes: int = 512):
+        import torch
+
+        self.torch, self.threads = torch, threads
+        self.x = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32)
+
+    def measure(self) -> float:
+        torch = self.torch
+        prev = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            best = 0.0
+            for _ in range(5):
+                t = time.perf_counter()
+                self.x.sum()
+                best = max(best, self.x.numel() * 4 / (time.perf_counter() - t) / 1e9)
+            return best
+        finally:
+            torch.set_num_threads(prev)
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -118,11 +131,12 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Fastest decode run, with the fastest TTFT seen: noise on a shared machine only ever slows."""
     best = dict(max(runs, key=lambda r: r["decode_tok_s"]))
     best["ttft_s"] = min(r["ttft_s"] for r in runs)
+    best["decode_tok_s_per_round"] = [r["decode_tok_s"] for r in runs]
     return best
 
 
 def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int, ...] = (32, 512),
-              new_tokens: int = 64, threads: int = 2, others: list[Engine] | None = None,
+              new_tokens: int = 64, threads: int = 2, others: list[tuple[str, Engine]] | None = None,
               baselines: bool = True, rounds: int = 3, engine_load_rss_mb: float | None = None,
               progress: Progress | None = None) -> dict[str, Any]:
     """Engine, other engines and the transformers baseline are timed back to back in each round,
@@ -138,6 +152,7 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     itemsize = 4 if engine.manifest.cache["dtype"] == "float32" else 2
     # per token: every weight but the embedding table (a gather reads one row) is read once
     weight_bytes = (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)) * itemsize
+    probe = BandwidthProbe(threads)  # before the baseline: its RSS is not the transformers model's
     hf = HFBaseline(reference, threads) if baselines and reference is not None else None
     engine_rss = 0.0
     for p in prompt_lens:
@@ -147,11 +162,11 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
         runs: dict[str, list[dict[str, Any]]] = {"engine": [], "hf_cache": []}
         for r in range(rounds):
             say(f"prompt {p}, round {r + 1}/{rounds}")
-            bw = max(bw, read_bandwidth_gbs(threads))
+            bw = max(bw, probe.measure())
             runs["engine"].append(bench_engine(engine, p, new_tokens))
             engine_rss = max(engine_rss, rss_mb())
-            for other in others or []:
-                runs.setdefault(f"other:{other.folder}", []).append(bench_engine(other, p, new_tokens))
+            for label, other in others or []:
+                runs.setdefault(f"other:{label}", []).append(bench_engine(other, p, new_tokens))
             if hf is not None:
                 runs["hf_cache"].append(hf.run(p, new_tokens, True))
         row: dict[str, Any] = {k: _best(v) for k, v in runs.items() if v}
@@ -202,7 +217,8 @@ def format_report(r: dict[str, Any]) -> str:
                      f"engine reaches {row['fraction_of_bound'] * 100:.0f}%")
         for k, v in row.items():
             if k.startswith("other:"):
-                lines.append(f"  {k[6:]}: decode {v['decode_tok_s']:.1f} tok/s = {v['decode_ratio_vs_main']:.3f}x the main engine")
+                lines.append(f"  {k[6:]}: decode {v['decode_tok_s']:.1f} tok/s = {v['decode_ratio_vs_main']:.3f}x the main "
+                             f"engine, ttft {v['ttft_s'] * 1e3:.1f} ms, kv {v['kv_cache_bytes'] / 2**20:.1f} MiB")
         if "ratios" in row:
             h, hn, q = row["hf_cache"], row["hf_nocache"], row["ratios"]
             lines.append(f"  HF eager    decode {h['decode_tok_s']:7.1f} tok/s   ttft {h['ttft_s'] * 1e3:7.1f} ms")

@@ -125,7 +125,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     rss0 = rss_mb()
     engine = _load(a.artifact, a, a.threads)
     engine_load_rss = rss_mb() - rss0
-    others = [_load(p, a, a.threads) for p in a.compare]
+    others = [(p, _load(p, a, a.threads)) for p in a.compare]
+    for variant in a.variant:  # the same artifact loaded with other load options, e.g. kv_precision=u8
+        extra = argparse.Namespace(**{**vars(a), "option": [*a.option, *variant.split(",")]})
+        others.append((f"{a.artifact} [{variant}]", _load(a.artifact, extra, a.threads)))
     prompts = tuple(int(x) for x in a.prompts.split(","))
     if a.rounds < 1:
         raise InputError(f"--rounds must be at least 1, got {a.rounds}")
@@ -255,6 +258,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("artifact")
     s.add_argument("--reference", default=None, help="HF checkpoint folder for the transformers baselines")
     s.add_argument("--compare", action="append", default=[], help="another artifact to time in the same run")
+    s.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="also time this artifact loaded with these load options (e.g. kv_precision=u8)")
     s.add_argument("--prompts", default="32,512")
     s.add_argument("--new-tokens", type=int, default=64)
     s.add_argument("--threads", type=int, default=2)

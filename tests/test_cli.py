@@ -54,6 +54,10 @@ def test_verify_and_bench_commands(default_artifact: Path, tmp_path: Path) -> No
     assert r["engine"]["cache_bytes_copied_per_decode_step"] == 0
     text = kvx("bench", str(default_artifact), "--prompts", "8", "--new-tokens", "4", "--no-baselines", "-q").stdout
     assert "decode" in text and "bound" in text
+    v = json.loads(kvx("bench", str(default_artifact), "--prompts", "8", "--new-tokens", "4", "--no-baselines",
+                       "--variant", "threads=1", "--rounds", "1", "--json", "-q").stdout)
+    one = v["prompts"]["8"][f"other:{default_artifact} [threads=1]"]
+    assert one["decode_tok_s"] > 0 and one["decode_ratio_vs_main"] > 0
     bad = kvx("bench", str(default_artifact), "--rounds", "0", "--no-baselines", "-q", ok=False)
     assert bad.returncode != 0 and "--rounds" in bad.stderr and "Traceback" not in bad.stderr
 
