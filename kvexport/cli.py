@@ -125,7 +125,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     rss0 = rss_mb()
     engine = _load(a.artifact, a, a.threads)
     engine_load_rss = rss_mb() - rss0
-    others = [(p, _load(p, a, a.threads)) for p in a.compare]
+    bare = argparse.Namespace(**{**vars(a), "option": []})  # --option is the main artifact's: backends differ
+    others = [(p, _load(p, bare, a.threads)) for p in a.compare]
     for variant in a.variant:  # the same artifact loaded with other load options, e.g. kv_precision=u8
         extra = argparse.Namespace(**{**vars(a), "option": [*a.option, *variant.split(",")]})
         others.append((f"{a.artifact} [{variant}]", _load(a.artifact, extra, a.threads)))
@@ -267,7 +268,8 @@ def parser() -> argparse.ArgumentParser:
                    help="interleaved rounds (engine, --compare engines, transformers back to back in each)")
     s.add_argument("--no-rebuild", action="store_true",
                    help="fail instead of rebuilding when the engine was built for another device or SDK")
-    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend load option")
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="load option of the main artifact (and its --variant runs), not of --compare ones")
     s.add_argument("--no-baselines", action="store_true")
     s.add_argument("--json", action="store_true")
     common(s)
