@@ -32,8 +32,9 @@ def _options(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def _load(path: str, a: argparse.Namespace, threads: int | None = None) -> Any:
-    """kvexport.load with the load options this artifact's backend takes (threads only where it has them)."""
+def _load(path: str, a: argparse.Namespace, threads: int | None = None, options: list[str] | None = None) -> Any:
+    """kvexport.load with the load options this artifact's backend takes (threads only where it has them);
+    `options` (KEY=VALUE) replaces the command's --option."""
     import kvexport
     from kvexport import backends
     from kvexport.artifact import open_artifact
@@ -44,7 +45,8 @@ def _load(path: str, a: argparse.Namespace, threads: int | None = None) -> Any:
         opts["threads"] = threads
     if getattr(a, "no_rebuild", False):
         opts["no_rebuild"] = True
-    opts.update(_options(getattr(a, "option", [])))  # backend load options, e.g. kv_precision=u8, numa_node=0
+    # backend load options, e.g. kv_precision=u8, numa_node=0
+    opts.update(_options(getattr(a, "option", []) if options is None else options))
     return kvexport.load(path, **opts)
 
 
@@ -125,11 +127,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     rss0 = rss_mb()
     engine = _load(a.artifact, a, a.threads)
     engine_load_rss = rss_mb() - rss0
-    bare = argparse.Namespace(**{**vars(a), "option": []})  # --option is the main artifact's: backends differ
-    others = [(p, _load(p, bare, a.threads)) for p in a.compare]
+    others = [(p, _load(p, a, a.threads, options=[])) for p in a.compare]  # --option is the main artifact's
     for variant in a.variant:  # the same artifact loaded with other load options, e.g. kv_precision=u8
-        extra = argparse.Namespace(**{**vars(a), "option": [*a.option, *variant.split(",")]})
-        others.append((f"{a.artifact} [{variant}]", _load(a.artifact, extra, a.threads)))
+        others.append((f"{a.artifact} [{variant}]", _load(a.artifact, a, a.threads, [*a.option, *variant.split(",")])))
     prompts = tuple(int(x) for x in a.prompts.split(","))
     if a.rounds < 1:
         raise InputError(f"--rounds must be at least 1, got {a.rounds}")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import pytest
 import onnxruntime as ort
+import pytest
 
 from kvexport import manifest as mf
 from kvexport.backends.cpu_fusion import fuse_group_query_attention, lower_for_onnxruntime

@@ -111,12 +111,8 @@ def fuse_group_query_attention(model: onnx.ModelProto) -> int:
         )
         replace[id(merge)] = gqa
         dead.update({id(a), id(tk), id(tv)})
-    nodes = [replace.get(id(n), n) for n in g.node if id(n) not in dead]
-    del g.node[:]
-    g.node.extend(pre + nodes)
+    _splice(model, replace, dead, prepend=pre)
     _drop_dead(g)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return len(plans)
 
 
@@ -152,7 +148,8 @@ def fuse_skip_rms_norm(model: onnx.ModelProto) -> int:
             continue
         if n.input[1] not in inits:
             continue  # the fused node takes the Add's place, where gamma must already exist
-        if int(_attr(n, "axis") if _attr(n, "axis") is not None else -1) != -1 or _attr(n, "stash_type") not in (None, 1):
+        axis = _attr(n, "axis")
+        if (axis if axis is not None else -1) != -1 or _attr(n, "stash_type") not in (None, 1):
             continue
         if any(u.op_type == "RMSNormalization" and u is not n for u in cons.get(add.output[0], [])):
             continue
@@ -162,14 +159,20 @@ def fuse_skip_rms_norm(model: onnx.ModelProto) -> int:
             [n.output[0], "", "", add.output[0]], name=n.name.replace("RMSNormalization", "SkipSimplifiedLayerNormalization"),
             domain="com.microsoft", epsilon=float(eps if eps is not None else 1e-5))
         dead.add(id(n))
-    if not replace:
-        return 0
+    if replace:
+        _splice(model, replace, dead)
+    return len(replace)
+
+
+def _splice(model: onnx.ModelProto, replace: dict[int, onnx.NodeProto], dead: set[int],
+            prepend: list[onnx.NodeProto] | None = None) -> None:
+    """Put each replacement where its original stood, drop the dead nodes, declare the contrib domain."""
+    g = model.graph
     nodes = [replace.get(id(n), n) for n in g.node if id(n) not in dead]
     del g.node[:]
-    g.node.extend(nodes)
+    g.node.extend([*(prepend or []), *nodes])
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return len(replace)
 
 
 def _drop_dead(g: onnx.GraphProto) -> None:
