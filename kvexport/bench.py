@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import resource
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from kvexport.config import DecoderConfig
 from kvexport.runtime.engine import Engine
 
 Progress = Callable[[str], None]
@@ -54,6 +56,79 @@ class BandwidthProbe:
             return best
         finally:
             torch.set_num_threads(prev)
+
+
+def linear_shapes(cfg: DecoderConfig) -> list[tuple[int, int]]:
+    """(K, N) of every weight matrix one decode step reads, as the cpu engine multiplies them
+    (q|k|v packed, gate|up packed), then the lm_head. The embedding tables are gathered, not read."""
+    h = cfg.hidden_size
+    mlp_in = (2 if cfg.mlp_kind == "gated" else 1) * cfg.intermediate_size
+    layer = [(h, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, h), (h, mlp_in), (cfg.intermediate_size, h)]
+    return layer * cfg.num_hidden_layers + [(h, cfg.vocab_size)]
+
+
+class GemvFloor:
+    """A decode step that does nothing but read its weights: one ONNX Runtime MatMul (M=1) per
+    weight matrix of `linear_shapes`, random fp32 weights, the engine's threads and session options.
+
+    An engine can approach this rate, not pass it: what separates them is everything else a step
+    does (attention over the cache, norms, rotary, kernel launches, Python). The bandwidth bound
+    says what the memory could give; this says what the matrix kernels on this machine do give.
+    The weights go through an external-data file so no 2 GB protobuf is built in memory."""
+
+    def __init__(self, cfg: DecoderConfig, threads: int, seed: int = 0):
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        from kvexport.backends.cpu import session_options
+
+        self.shapes = linear_shapes(cfg)
+        rng = np.random.default_rng(seed)
+        nodes, inits, outputs = [], [], []
+        with tempfile.TemporaryDirectory(prefix="kvexport-floor-") as tmp:
+            offset = 0
+            with open(Path(tmp) / "w.bin", "wb") as f:
+                for i, (k, n) in enumerate(self.shapes):
+                    w = rng.standard_normal((k, n), dtype=np.float32)
+                    w.tofile(f)
+                    t = TensorProto(name=f"w{i}", data_type=TensorProto.FLOAT, dims=[k, n],
+                                    data_location=TensorProto.EXTERNAL)
+                    for key, value in (("location", "w.bin"), ("offset", str(offset)), ("length", str(w.nbytes))):
+                        t.external_data.add(key=key, value=value)
+                    offset += w.nbytes
+                    inits.append(t)
+                    nodes.append(helper.make_node("MatMul", [f"x{k}", f"w{i}"], [f"y{i}"]))
+                    outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, n]))
+            ks = sorted({k for k, _ in self.shapes})
+            graph = helper.make_graph(nodes, "gemv_floor",
+                                      [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, k]) for k in ks],
+                                      outputs, inits)
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+            onnx.save_model(model, str(Path(tmp) / "floor.onnx"))
+            # ONNX Runtime pre-packs each weight into memory of its own while the session is made
+            self.sess = ort.InferenceSession(str(Path(tmp) / "floor.onnx"), session_options(threads),
+                                             providers=["CPUExecutionProvider"])
+        self.binding = self.sess.io_binding()
+        self._buffers = [rng.standard_normal((1, k), dtype=np.float32) for k in ks]
+        for k, x in zip(ks, self._buffers):
+            self.binding.bind_cpu_input(f"x{k}", x)
+        for i, (_, n) in enumerate(self.shapes):
+            y = np.empty((1, n), np.float32)
+            self._buffers.append(y)
+            self.binding.bind_output(f"y{i}", "cpu", 0, np.float32, y.shape, y.ctypes.data)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(k * n for k, n in self.shapes) * 4
+
+    def measure(self, steps: int = 20) -> float:
+        """Steps per second over `steps` back-to-back steps (a rate over a run, like decode tok/s)."""
+        self.sess.run_with_iobinding(self.binding)
+        t = time.perf_counter()
+        for _ in range(steps):
+            self.sess.run_with_iobinding(self.binding)
+        return steps / (time.perf_counter() - t)
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -137,7 +212,7 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int, ...] = (32, 512),
               new_tokens: int = 64, threads: int = 2, others: list[tuple[str, Engine]] | None = None,
-              baselines: bool = True, rounds: int = 3, engine_load_rss_mb: float | None = None,
+              baselines: bool = True, floor: bool = True, rounds: int = 3, engine_load_rss_mb: float | None = None,
               progress: Progress | None = None) -> dict[str, Any]:
     """Engine, other engines and the transformers baseline are timed back to back in each round,
     so a burst of load from elsewhere hits all of them; each keeps its best round."""
@@ -150,9 +225,12 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     }
     bw = 0.0  # best read bandwidth seen in any round: the bound is an upper limit, so take the highest
     itemsize = 4 if engine.manifest.cache["dtype"] == "float32" else 2
-    # per token: every weight but the embedding table (a gather reads one row) is read once
-    weight_bytes = (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)) * itemsize
+    # per token: every weight matrix is read once (the embedding tables are gathered, one row each)
+    weight_bytes = sum(k * n for k, n in linear_shapes(cfg)) * itemsize
     probe = BandwidthProbe(threads)  # before the baseline: its RSS is not the transformers model's
+    if floor:
+        say("preparing the GEMV floor (the model's weight shapes as bare ONNX Runtime MatMuls)")
+    gemv = GemvFloor(cfg, threads) if floor else None
     hf = HFBaseline(reference, threads) if baselines and reference is not None else None
     engine_rss = 0.0
     for p in prompt_lens:
@@ -160,9 +238,12 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
             say(f"skip prompt {p}: exceeds max_seq {engine.max_seq}")
             continue
         runs: dict[str, list[dict[str, Any]]] = {"engine": [], "hf_cache": []}
+        floor_rate = 0.0  # the floor's best round at this prompt, timed just before the engine
         for r in range(rounds):
             say(f"prompt {p}, round {r + 1}/{rounds}")
             bw = max(bw, probe.measure())
+            if gemv is not None:
+                floor_rate = max(floor_rate, gemv.measure())
             runs["engine"].append(bench_engine(engine, p, new_tokens))
             engine_rss = max(engine_rss, rss_mb())
             for label, other in others or []:
@@ -174,6 +255,9 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
         bound = bw * 1e9 / (weight_bytes + kv_read)
         row["bandwidth_bound_tok_s"] = bound
         row["fraction_of_bound"] = row["engine"]["decode_tok_s"] / bound
+        if gemv is not None:
+            row["gemv_floor_tok_s"] = floor_rate
+            row["fraction_of_floor"] = row["engine"]["decode_tok_s"] / floor_rate
         for k in [k for k in row if k.startswith("other:")]:
             row[k]["decode_ratio_vs_main"] = row[k]["decode_tok_s"] / row["engine"]["decode_tok_s"]
         if hf is not None:
@@ -193,6 +277,8 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
                 "ttft_vs_hf_cache": e["ttft_s"] / h["ttft_s"],
                 "kv_bytes_vs_hf_cache": e["kv_cache_bytes"] / h["kv_cache_bytes"],
             }
+            if gemv is not None:  # the most any engine on these MatMul kernels could show against transformers
+                row["ratios"]["floor_vs_hf_cache"] = floor_rate / h["decode_tok_s"]
         report["prompts"][str(p)] = row
     report["read_bandwidth_gbs"] = bw
     report["rss_mb_engine"] = engine_rss
@@ -215,6 +301,9 @@ def format_report(r: dict[str, Any]) -> str:
                      + (f"   python overhead {e['python_overhead'] * 100:.1f}%" if e["python_overhead"] is not None else ""))
         lines.append(f"  bound       {row['bandwidth_bound_tok_s']:7.1f} tok/s (weights + KV / bandwidth): "
                      f"engine reaches {row['fraction_of_bound'] * 100:.0f}%")
+        if "gemv_floor_tok_s" in row:
+            lines.append(f"  floor       {row['gemv_floor_tok_s']:7.1f} tok/s (the weight GEMVs alone, ONNX Runtime MatMul): "
+                         f"engine reaches {row['fraction_of_floor'] * 100:.0f}%")
         for k, v in row.items():
             if k.startswith("other:"):
                 lines.append(f"  {k[6:]}: decode {v['decode_tok_s']:.1f} tok/s = {v['decode_ratio_vs_main']:.3f}x the main "
@@ -227,6 +316,8 @@ def format_report(r: dict[str, Any]) -> str:
             lines.append(f"  per round   decode ÷ HF eager {rounds} (median {q['decode_vs_hf_cache_median_round']:.2f}x)")
             lines.append(f"  ratios      decode {q['decode_vs_hf_cache']:.2f}x HF eager, {q['decode_vs_hf_nocache']:.1f}x no-cache; "
                          f"ttft {q['ttft_vs_hf_cache']:.2f}x HF eager; KV bytes {q['kv_bytes_vs_hf_cache']:.2f}x HF's")
+            if "floor_vs_hf_cache" in q:
+                lines.append(f"  floor       ÷ HF eager {q['floor_vs_hf_cache']:.2f}x (the ratio a step of bare weight GEMVs would show)")
     lines.append(f"RSS: {r['rss_mb_engine']:.0f} MiB after the engine's runs; process peak {r['peak_rss_mb']:.0f} MiB"
                  " (baselines included)")
     if "memory" in r:

@@ -137,6 +137,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise InputError(f"--reference {a.reference} is not a checkpoint folder")
     r = run_bench(engine, reference=Path(a.reference) if a.reference else None, prompt_lens=prompts,
                   new_tokens=a.new_tokens, threads=a.threads, others=others, baselines=not a.no_baselines,
+                  floor=not a.no_floor,
                   rounds=a.rounds,
                   engine_load_rss_mb=engine_load_rss, progress=_Progress(a.quiet))
     print(json.dumps(r, indent=2) if a.json else format_report(r))
@@ -270,7 +271,9 @@ def parser() -> argparse.ArgumentParser:
                    help="fail instead of rebuilding when the engine was built for another device or SDK")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="load option of the main artifact (and its --variant runs), not of --compare ones")
-    s.add_argument("--no-baselines", action="store_true")
+    s.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
+    s.add_argument("--no-floor", action="store_true",
+                   help="skip the GEMV floor (the model's weight matrices timed as bare ONNX Runtime MatMuls)")
     s.add_argument("--json", action="store_true")
     common(s)
     s.set_defaults(fn=cmd_bench)

@@ -52,8 +52,11 @@ def test_verify_and_bench_commands(default_artifact: Path, tmp_path: Path) -> No
     paired = r["ratios"]["decode_vs_hf_cache_per_round"]
     assert len(paired) == 2 and min(paired) <= r["ratios"]["decode_vs_hf_cache_median_round"] <= max(paired)
     assert r["engine"]["cache_bytes_copied_per_decode_step"] == 0
+    assert r["gemv_floor_tok_s"] > 0 and r["fraction_of_floor"] == pytest.approx(
+        r["engine"]["decode_tok_s"] / r["gemv_floor_tok_s"])
+    assert r["ratios"]["floor_vs_hf_cache"] == pytest.approx(r["gemv_floor_tok_s"] / r["hf_cache"]["decode_tok_s"])
     text = kvx("bench", str(default_artifact), "--prompts", "8", "--new-tokens", "4", "--no-baselines", "-q").stdout
-    assert "decode" in text and "bound" in text
+    assert "decode" in text and "bound" in text and "floor" in text
     v = json.loads(kvx("bench", str(default_artifact), "--prompts", "8", "--new-tokens", "4", "--no-baselines",
                        "--variant", "threads=1", "--rounds", "1", "--json", "-q").stdout)
     one = v["prompts"]["8"][f"other:{default_artifact} [threads=1]"]

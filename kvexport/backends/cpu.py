@@ -48,7 +48,7 @@ def fingerprint() -> dict[str, Any]:
     }
 
 
-def _session_options(threads: int, optimized_path: Path | None = None) -> Any:
+def session_options(threads: int, optimized_path: Path | None = None) -> Any:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -113,7 +113,7 @@ class CpuBackend(_Backend):
         staged = folder / FUSED_TMP  # beside the IR so its external-data path still resolves
         try:
             onnx.save_model(model, str(staged))
-            ort.InferenceSession(str(staged), _session_options(1, engine / OPT_MODEL),
+            ort.InferenceSession(str(staged), session_options(1, engine / OPT_MODEL),
                                  providers=["CPUExecutionProvider"])
         finally:
             staged.unlink(missing_ok=True)
@@ -181,7 +181,7 @@ class CpuSession(Session):
         self.cache_dtype = NP_DTYPES[manifest.cache["dtype"]]
         self.pairs = manifest.kv_pairs()
         try:
-            self.sess = ort.InferenceSession(str(model), _session_options(threads), providers=["CPUExecutionProvider"])
+            self.sess = ort.InferenceSession(str(model), session_options(threads), providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
             raise ArtifactError(f"ONNX Runtime could not load {model}: {e}; rebuild the artifact") from e
         if not manifest.raw["ir"]["last_token_only"]:
