@@ -138,3 +138,25 @@ def test_readme_commands_are_the_ones_ci_runs() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     test_cmd = re.search(r"^(python -m pytest[^\n]*)$", readme, re.M)
     assert test_cmd and test_cmd.group(1) in ci
+
+
+def test_every_documented_command_line_parses() -> None:
+    """Each `kvexport ...` line of a shell block in the README and docs/ names real subcommands and
+    flags (the parser rejects a renamed or removed option with exit 2)."""
+    import shlex
+
+    from kvexport.cli import parser
+
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    lines = []
+    for doc in docs:
+        for block in re.findall(r"```sh\n(.*?)```", doc.read_text(), re.S):
+            text = block.replace("\\\n", " ")
+            lines += [(doc.name, ln.split(" #")[0].strip()) for ln in text.splitlines() if ln.strip().startswith("kvexport ")]
+    assert len(lines) >= 10
+    for name, line in lines:
+        argv = shlex.split(line)[1:]
+        try:
+            parser().parse_args(argv)
+        except SystemExit as e:
+            pytest.fail(f"{name}: `{line}` does not parse (exit {e.code})")
