@@ -124,22 +124,22 @@ def cmd_verify(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from kvexport.bench import rss_mb, format_report, run_bench
 
+    # bad arguments are refused before any engine is loaded
+    if a.rounds < 1:
+        raise InputError(f"--rounds must be at least 1, got {a.rounds}")
+    if a.reference is not None and not Path(a.reference).is_dir():
+        raise InputError(f"--reference {a.reference} is not a checkpoint folder")
+    prompts = tuple(int(x) for x in a.prompts.split(","))
     rss0 = rss_mb()
     engine = _load(a.artifact, a, a.threads)
     engine_load_rss = rss_mb() - rss0
     others = [(p, _load(p, a, a.threads, options=[])) for p in a.compare]  # --option is the main artifact's
     for variant in a.variant:  # the same artifact loaded with other load options, e.g. kv_precision=u8
         others.append((f"{a.artifact} [{variant}]", _load(a.artifact, a, a.threads, [*a.option, *variant.split(",")])))
-    prompts = tuple(int(x) for x in a.prompts.split(","))
-    if a.rounds < 1:
-        raise InputError(f"--rounds must be at least 1, got {a.rounds}")
-    if a.reference is not None and not Path(a.reference).is_dir():
-        raise InputError(f"--reference {a.reference} is not a checkpoint folder")
     r = run_bench(engine, reference=Path(a.reference) if a.reference else None, prompt_lens=prompts,
                   new_tokens=a.new_tokens, threads=a.threads, others=others, baselines=not a.no_baselines,
-                  floor=not a.no_floor,
-                  rounds=a.rounds,
-                  engine_load_rss_mb=engine_load_rss, progress=_Progress(a.quiet))
+                  floor=not a.no_floor, rounds=a.rounds, engine_load_rss_mb=engine_load_rss,
+                  progress=_Progress(a.quiet))
     print(json.dumps(r, indent=2) if a.json else format_report(r))
     return 0
 
