@@ -128,7 +128,10 @@ class IntelBackend(Backend):
         if fused != layers:
             warnings.warn(f"only {fused} of {layers} attention layers compiled to OpenVINO's fused "
                           "attention-with-KV-cache node; decode will be slower", IntelBackendWarning, stacklevel=2)
-        progress(f"intel: {fused}/{layers} layers on the fused ScaledDotProductAttention+state path; precision {precision}")
+        reason = isa.why_precision(flags) if not options.precision else f"{precision}: asked for with --precision"
+        progress(f"intel: {fused}/{layers} layers on the fused ScaledDotProductAttention+state path")
+        progress(f"intel: precision {reason}" + ("" if options.precision or precision == "fp32"
+                                                  else " (pass --precision fp32 for exact f32 numerics)"))
         kv_cost = None
         if kv != "f32":
             from kvexport_intel.kvcost import kv_precision_cost
@@ -148,7 +151,7 @@ class IntelBackend(Backend):
             "fingerprint": {
                 "openvino": _openvino_version(),
                 **isa.fingerprint_isa(flags),
-                "precision_reason": isa.why_precision(flags) if not options.precision else f"{precision}: --precision",
+                "precision_reason": reason,
                 "cpu": _cpu_model(),
                 "numa_nodes": len(numa.read_topology().nodes),
                 "fused_attention_layers": fused,

@@ -25,9 +25,15 @@ def test_build_intel_on_the_embedded_default_then_run(tmp_path: Path) -> None:
     r = kvx("build", "--target", "intel", "-o", str(out), "--max-seq", "256")
     assert r.returncode == 0, r.stderr
     assert "fused ScaledDotProductAttention" in r.stdout + r.stderr
+    from kvexport_intel import isa
+
+    flags = isa.read_cpu_flags()
+    chosen = isa.auto_precision(flags)  # bf16 on AMX / AVX512-BF16 CPUs, fp32 elsewhere
+    assert f"precision {isa.why_precision(flags)}" in r.stderr  # the pick and its reason are printed
     m = json.loads((out / "manifest.json").read_text())
     t = m["target"]
-    assert t["backend"] == "intel" and t["precision"] in ("fp32", "bf16")
+    assert t["backend"] == "intel" and t["precision"] == chosen
+    assert t["fingerprint"]["precision_reason"] == isa.why_precision(flags)
     assert sorted(t["engine_files"]) == ["engine/openvino_model.bin", "engine/openvino_model.xml"]
     assert set(t["fingerprint"]["isa"]) >= {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"}
     assert m["verification"]["passed"] is True
