@@ -50,3 +50,13 @@ class NumericsMismatchError(KvexportError):
     """The engine's output differs from the PyTorch reference beyond the tolerance table."""
 
     exit_code = 4
+
+
+class ReferenceMismatchError(CheckpointError):
+    """The reference checkpoint given to verify is not the model the artifact was built from."""
+
+
+class ReferenceUnavailableError(KvexportError):
+    """verify's reference implementation (`transformers`) is not installed here."""
+
+    exit_code = 3
