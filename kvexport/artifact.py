@@ -21,26 +21,51 @@ VERIFY_FILE = "verify.json"
 UNHASHED = {mf.MANIFEST_FILE, mf.MANIFEST_FILE + ".tmp"}
 
 
+def _tree(folder: Path) -> list[str]:
+    """Every file under folder (relative posix paths), the manifest and its atomic-write temp excluded."""
+    return [rel for p in sorted(folder.rglob("*"))
+            if p.is_file() and (rel := p.relative_to(folder).as_posix()) not in UNHASHED]
+
+
 def hash_tree(folder: Path) -> dict[str, str]:
     """sha256 of every file under folder (relative posix paths), manifest excluded."""
-    return {
-        p.relative_to(folder).as_posix(): sha256_file(p)
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.relative_to(folder).as_posix() not in UNHASHED
-    }
+    return {rel: sha256_file(folder / rel) for rel in _tree(folder)}
+
+
+def named_files(manifest: Manifest) -> dict[str, str]:
+    """Files the manifest names by role (IR, tokenizer, engine, verification report) -> the role.
+    Each must also be listed with its sha256 in `files`."""
+    raw = manifest.raw
+    named = {raw["ir"]["file"]: "the IR"}
+    if raw["ir"].get("data_file"):
+        named[raw["ir"]["data_file"]] = "the IR's external data"
+    named.update({f: "a tokenizer file" for f in raw["tokenizer"]["files"]})
+    named.update({f: "an engine file" for f in (raw.get("target") or {}).get("engine_files", [])})
+    report = (raw.get("verification") or {}).get("file")
+    if report:
+        named[report] = "the verification report"
+    return named
 
 
 def check_integrity(folder: Path, manifest: Manifest) -> None:
-    """Every file the manifest lists exists with its sha256; names the first that does not."""
-    for rel, digest in manifest.raw["files"].items():
-        path = folder / rel
-        if not path.is_file():
-            raise ArtifactError(f"{path} is missing from the artifact; rebuild it with `kvexport build`")
-        if sha256_file(path) != digest:
-            raise ArtifactError(
-                f"{path} does not match the sha256 in manifest.json: the file was truncated or edited. "
-                "Rebuild the artifact with `kvexport build` (kvexport never loads a file that fails this check)."
-            )
+    """The artifact's files are exactly the ones `files` lists, each with its sha256, and every file
+    the manifest names (IR, tokenizer, engine files) is among them. Raises ArtifactError naming each
+    file that fails; runs before any backend opens an engine file (Backend.load)."""
+    folder = Path(folder)
+    listed: dict[str, str] = manifest.raw["files"]
+    present = set(_tree(folder))
+    rebuild = "rebuild the artifact with `kvexport build`"
+    problems = [f"{folder / rel} is missing from the artifact" for rel in sorted(set(listed) - present)]
+    problems += [f"{folder / rel} is not listed in manifest.json's `files` (kvexport loads only files whose "
+                 "sha256 the manifest records): remove it if you added it" for rel in sorted(present - set(listed))]
+    problems += [f"manifest.json names {rel} as {role} but lists no sha256 for it in `files`"
+                 for rel, role in named_files(manifest).items() if rel not in listed]
+    if not problems:
+        problems = [f"{folder / rel} does not match the sha256 in manifest.json: the file was truncated or edited"
+                    for rel in sorted(listed) if sha256_file(folder / rel) != listed[rel]]
+    if problems:
+        raise ArtifactError("; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+                            + f". kvexport never loads an artifact that fails this check: {rebuild}.")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -130,7 +155,7 @@ def export_artifact(
 
 
 def finish(folder: Path, m: Manifest) -> None:
-    """Hash every file and write the manifest last."""
+    """Hash every file (verify.json included: it is written before this runs) and write the manifest last."""
     m.raw["files"] = hash_tree(folder)
     m.write(folder)
 

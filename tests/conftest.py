@@ -71,3 +71,20 @@ def references(checkpoints: dict[str, Path]) -> dict[str, HFReference]:
 
 def random_ids(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 259, n)]
+
+
+@pytest.fixture(scope="session")
+def intel_builds(workdir: Path, checkpoints: dict[str, Path]) -> dict[str, Path]:
+    """intel artifacts (OpenVINO stateful IR) of the same checkpoints, built lazily per family;
+    tests that use one skip where openvino is not installed."""
+
+    class _Lazy(dict):
+        def __missing__(self, family: str) -> Path:
+            pytest.importorskip("openvino", reason="the intel target needs openvino (pip install 'kvexport[intel]')")
+            from kvexport.build import build
+
+            self[family] = build(checkpoints[family], workdir / f"{family}-intel.kvx", target="intel",
+                                 max_seq=MAX_SEQ, verify=False)
+            return self[family]
+
+    return _Lazy()  # type: ignore[return-value]

@@ -246,8 +246,14 @@ def test_newer_schema_and_broken_manifest(artifacts: dict[str, Path], tmp_path: 
 
 
 def test_loading_imports_no_python_from_the_artifact(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    from kvexport.artifact import finish
+    from kvexport.manifest import read
+
     a = _copy(artifacts["llama"], tmp_path / "a.kvx")
     (a / "evil.py").write_text("raise SystemExit('imported!')\n")
+    with pytest.raises(ArtifactError, match="evil.py is not listed"):
+        kvexport.load(a)  # an unlisted file is refused outright
+    finish(a, read(a))  # listed with its sha256: loading still never imports it
     import sys
 
     before = set(sys.modules)

@@ -68,9 +68,24 @@ class Backend(ABC):
     def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
         """Write engine files under folder/'engine' and set manifest.raw['target'] (hashes are added after)."""
 
-    @abstractmethod
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "load" in cls.__dict__:
+            raise TypeError(f"{cls.__name__} overrides Backend.load, which checks the artifact's files before "
+                            "any engine file is opened; implement open_session instead")
+
     def load(self, folder: Path, manifest: Manifest, **options: Any) -> Any:
-        """Return a kvexport.runtime.session.Session over the built engine."""
+        """Check every file of the artifact against the manifest (kvexport.artifact.check_integrity),
+        then open the engine (open_session). One check for every backend, and no way around it."""
+        from kvexport.artifact import check_integrity
+
+        check_integrity(Path(folder), manifest)
+        return self.open_session(Path(folder), manifest, **options)
+
+    @abstractmethod
+    def open_session(self, folder: Path, manifest: Manifest, **options: Any) -> Any:
+        """Return a kvexport.runtime.session.Session over the built engine. Called only after every
+        file of the artifact matched its sha256 in the manifest."""
 
     def doctor(self) -> dict[str, Any]:
         """Facts for `kvexport doctor` (SDK versions, devices)."""

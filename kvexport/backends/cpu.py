@@ -127,8 +127,8 @@ class CpuBackend(_Backend):
             "options": {"threads": options.threads, **fused},
         }
 
-    def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
-             **options: Any) -> CpuSession:
+    def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
+                     **options: Any) -> CpuSession:
         self.require_available()
         if options:
             raise InputError(f"the cpu target takes no options {sorted(options)}; it accepts threads=N, no_rebuild")

@@ -291,11 +291,12 @@ def _is_id_list(p: Any) -> bool:
     return isinstance(p, Sequence) and len(p) > 0 and all(isinstance(x, int | np.integer) for x in p)
 
 
-def load(path: str | Path, *, threads: int | None = None, verify_hashes: bool = True, **options: Any) -> Engine:
-    """Open an artifact, check every file's sha256, and load its engine through its backend."""
+def load(path: str | Path, *, threads: int | None = None, **options: Any) -> Engine:
+    """Open an artifact and load its engine through its backend, whose `load` first checks that the
+    folder holds exactly the files the manifest lists, each with its sha256 (Backend.load)."""
     from kvexport import backends
 
-    folder, manifest = open_artifact(path, verify_hashes=verify_hashes)
+    folder, manifest = open_artifact(path, verify_hashes=False)  # the backend's load checks, once
     target = manifest.target
     if target is None:
         raise ArtifactError(

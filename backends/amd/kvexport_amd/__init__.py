@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from kvexport.backends import Backend, BuildOptions, Capabilities, Progress
-from kvexport.checkpoint import sha256_file
 from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, UnsupportedFeatureError
 from kvexport.manifest import Manifest
 
@@ -127,13 +126,10 @@ class AmdBackend(Backend):
         }
 
     # --- load -----------------------------------------------------------------------------------
-    def load(self, folder: Path, manifest: Manifest, **options: Any) -> Any:
-        """Open the package only after its sha256 matches the manifest and its fingerprint fits here.
-
-        kvexport.load runs check_integrity on the whole folder before calling this; the engine
-        file is checked again here so that no caller can reach the native loader with an unchecked
-        library.
-        """
+    def open_session(self, folder: Path, manifest: Manifest, **options: Any) -> Any:
+        """Open the package only after its fingerprint fits here. Backend.load, the only way in, has
+        checked every file of the folder (the package included) against its sha256 in the manifest,
+        so no caller reaches the native loader with an unchecked library."""
         import torch
 
         from kvexport_amd import lowering
@@ -147,14 +143,7 @@ class AmdBackend(Backend):
             raise ArtifactError(f"{folder} was not built for the amd target (target: "
                                 f"{(target or {}).get('backend')}); build it with `kvexport build --target amd`")
         self.require_available()
-        rel = target["engine_files"][0]
-        path = folder / rel
-        digest = manifest.raw["files"].get(rel)
-        if digest is None:
-            raise ArtifactError(f"manifest.json lists no sha256 for {rel}; rebuild the artifact")
-        if not path.is_file() or sha256_file(path) != digest:
-            raise ArtifactError(f"{path} is missing or does not match its sha256 in manifest.json; kvexport never "
-                                "loads such a library. Rebuild with `kvexport build --target amd`")
+        path = folder / target["engine_files"][0]
         built = target["fingerprint"]
         kind = built.get("device_kind")
         if kind == "cpu":

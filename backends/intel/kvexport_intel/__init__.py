@@ -162,7 +162,8 @@ class IntelBackend(Backend):
         }
 
     # --- load -------------------------------------------------------------------------------
-    def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, **options: Any) -> IntelSession:
+    def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None,
+                     **options: Any) -> IntelSession:
         self.require_available()
         import openvino as ov
 
@@ -175,9 +176,7 @@ class IntelBackend(Backend):
         if target.get("backend") != "intel":
             raise ArtifactError(f"{folder} was built for {target.get('backend')!r}, not intel")
         built = target.get("options", {})
-        xml = folder / ENGINE_DIR / lowering.XML
-        if not xml.is_file() or not (folder / ENGINE_DIR / lowering.BIN).is_file():
-            raise ArtifactError(f"{xml} (or its .bin) is missing; rebuild with `kvexport build --target intel`")
+        xml = folder / ENGINE_DIR / lowering.XML  # present and intact: Backend.load checked every file
 
         flags = isa.read_cpu_flags()
         wanted = isa.normalize_precision(options.get("precision") or target["precision"])

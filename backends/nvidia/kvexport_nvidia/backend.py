@@ -155,8 +155,8 @@ class NvidiaBackend(Backend):
                                   "fingerprint": fingerprint, "options": target_options, "deferred": defer}
 
     # --- load -------------------------------------------------------------------------------------
-    def load(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
-             cuda_graph: bool = True, device: int = 0, progress: Progress | None = None, **options: Any) -> Any:
+    def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
+                     cuda_graph: bool = True, device: int = 0, progress: Progress | None = None, **options: Any) -> Any:
         if options:
             raise InputError(f"unknown nvidia load option(s) {sorted(options)}; supported: no_rebuild, cuda_graph, device")
         if threads is not None:
@@ -175,9 +175,11 @@ class NvidiaBackend(Backend):
         info = probe_device(device)
         decision = fp.decide(target, info)
         fp.require_usable(decision, no_rebuild=no_rebuild, artifact=folder)
-        if decision.action is fp.Action.USE:
+        if decision.action is fp.Action.USE:  # Backend.load has checked every listed file's sha256
+            if f"{ENGINE_DIR}/{PLAN}" not in manifest.raw["files"]:
+                raise ArtifactError(f"{folder} records a built engine but manifest.json lists no {ENGINE_DIR}/{PLAN}; "
+                                    "rebuild the artifact with `kvexport build --target nvidia`")
             plan_path = folder / ENGINE_DIR / PLAN
-            verify_file(folder, manifest, f"{ENGINE_DIR}/{PLAN}")
         else:
             say(decision.reason)
             plan_path = self._cached_or_rebuilt(folder, manifest, info, say)
@@ -188,8 +190,6 @@ class NvidiaBackend(Backend):
         from kvexport_nvidia.trt_build import build_engine
 
         target = manifest.target or {}
-        for rel in (f"{ENGINE_DIR}/{PREPARED}", f"{ENGINE_DIR}/{PREPARED}.data"):
-            verify_file(folder, manifest, rel)
         ir_sha = manifest.raw["files"][f"{ENGINE_DIR}/{PREPARED}.data"] + manifest.raw["files"][f"{ENGINE_DIR}/{PREPARED}"]
         build_opts = {k: target["options"].get(k) for k in ("max_batch", "max_prefill", "opt_prefill", "workspace_mb")}
         entry_dir = fp.cache_root() / fp.cache_key(ir_sha, info.fingerprint(), build_opts)
@@ -248,16 +248,6 @@ def unavailable_message(reasons: list[str]) -> str:
 def profiles_from_target(target: dict[str, Any]) -> list[Profile]:
     return [Profile(p["name"], {k: tuple(tuple(s) for s in v) for k, v in p["shapes"].items()})  # type: ignore[misc]
             for p in target["options"]["profiles"]]
-
-
-def verify_file(folder: Path, manifest: Manifest, rel: str) -> None:
-    """A native file is read only after its sha256 matches the manifest."""
-    want = manifest.raw["files"].get(rel)
-    path = folder / rel
-    if want is None or not path.is_file():
-        raise ArtifactError(f"{path} is missing or unlisted in manifest.json; rebuild the artifact with `kvexport build`")
-    if sha256_file(path) != want:
-        raise ArtifactError(f"{path} does not match its sha256 in manifest.json (truncated or edited); rebuild the artifact")
 
 
 def cached_plan_ok(entry_path: Path, plan_path: Path, fingerprint: dict[str, str], ir_sha: str) -> bool:
