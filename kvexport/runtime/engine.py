@@ -45,7 +45,7 @@ class Batch:
     pad: np.ndarray  # (B,) left padding per row
     valid: np.ndarray  # (B, max_slots) bool: slot holds a real token of that row
     slots: int = 0  # T: slots held by every row
-    logits: np.ndarray | None = None  # (B, V) after the last step
+    logits: np.ndarray | None = None  # (B, V) after the last step: the caller's own array unless copy=False
     sliding_window: int | None = None
 
     @property
@@ -121,8 +121,12 @@ class Engine:
                 "or rebuild with a larger --max-seq"
             )
 
-    def prefill(self, prompts: Prompt | Sequence[Prompt], max_new_tokens: int = 0) -> Batch:
-        """Run the prompt(s) through the engine; returns a Batch whose .logits are each row's last."""
+    def prefill(self, prompts: Prompt | Sequence[Prompt], max_new_tokens: int = 0, *, copy: bool = True) -> Batch:
+        """Run the prompt(s) through the engine; returns a Batch whose .logits (B, V) are each row's last.
+
+        The logits are the caller's own array. copy=False returns a view of the engine's output
+        buffer instead (no copy), which the next step on this batch overwrites: use it only to
+        consume the logits before the next call."""
         rows = self._rows(prompts)
         S = max(len(r) for r in rows)
         self.check_fits(S, max_new_tokens)
@@ -142,12 +146,16 @@ class Engine:
         mask[:, i, i] |= ~valid[:, :S]  # a pad query sees itself only: keeps its row finite
         state = self.session.new_state(B, S + max(max_new_tokens, 1))
         batch = Batch(rows, state, pad, valid, 0, None, window)
-        batch.logits = self.session.step(state, ids, pos, mask[:, None])
+        logits = self.session.step(state, ids, pos, mask[:, None])
+        batch.logits = logits.copy() if copy else logits
         batch.slots = S
         return batch
 
-    def decode(self, batch: Batch, tokens: np.ndarray) -> np.ndarray:
-        """Append one token per row; returns the (B, V) logits for the next position."""
+    def decode(self, batch: Batch, tokens: np.ndarray, *, copy: bool = True) -> np.ndarray:
+        """Append one token per row; returns the (B, V) logits for the next position (also in batch.logits).
+
+        The logits are the caller's own array (a copy of B x V floats). copy=False returns a view
+        of the engine's output buffer instead, which the next step overwrites."""
         T = batch.slots
         if T + 1 > self.max_seq:
             raise ContextOverflowError(f"the cache is full (max_seq={self.max_seq}); no slot left for another token")
@@ -161,7 +169,8 @@ class Engine:
             mask[..., : T + 1 - batch.sliding_window] = False
         ids = np.asarray(tokens, dtype=np.int64).reshape(batch.batch_size, 1)
         pos = (T - batch.pad).reshape(-1, 1)
-        batch.logits = self.session.step(batch.state, ids, pos, mask)
+        logits = self.session.step(batch.state, ids, pos, mask)
+        batch.logits = logits.copy() if copy else logits
         batch.slots = T + 1
         return batch.logits
 
@@ -185,7 +194,7 @@ class Engine:
             raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         stop_ids = {s for s in stop if isinstance(s, int)} | set(self.eos_ids)
         rng = np.random.default_rng(params.seed)
-        batch = self.prefill(prompts, max_new_tokens)
+        batch = self.prefill(prompts, max_new_tokens, copy=False)  # sampled at once, before the next step
         try:
             live = np.ones(batch.batch_size, dtype=bool)
             for step in range(max_new_tokens):
@@ -195,7 +204,7 @@ class Engine:
                 live &= ~np.isin(tokens, list(stop_ids))
                 if not live.any() or step == max_new_tokens - 1:
                     break
-                self.decode(batch, tokens)
+                self.decode(batch, tokens, copy=False)
         finally:
             self.session.release(batch.state)
 
