@@ -29,23 +29,35 @@ class SamplingParams:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> np.ndarray:
-    """logits (B, V) float32 -> token ids (B,) int64."""
+    """logits (B, V) float32 -> token ids (B,) int64.
+
+    Greedy at temperature 0. Otherwise softmax(logits / temperature) restricted to the top_k
+    largest logits (exactly k, ties broken by position) and then to the nucleus (the fewest most
+    likely tokens whose probability reaches top_p); a token outside either set is never drawn.
+    """
     if params.greedy:
         return logits.argmax(axis=-1).astype(np.int64)
-    z = logits.astype(np.float64) / params.temperature
-    if params.top_k and params.top_k < z.shape[-1]:
-        kth = np.partition(z, -params.top_k, axis=-1)[:, -params.top_k][:, None]
-        z = np.where(z < kth, -np.inf, z)
-    z -= z.max(axis=-1, keepdims=True)
+    x = logits.astype(np.float64)
+    # shift before dividing: a tiny temperature sends the rest to -inf and the best to 0, never inf - inf
+    with np.errstate(over="ignore"):  # a subnormal temperature: -inf for all but the best, as intended
+        z = (x - x.max(axis=-1, keepdims=True)) / params.temperature
+    V = z.shape[-1]
+    if params.top_k and params.top_k < V:
+        top = np.argpartition(-z, params.top_k - 1, axis=-1)[:, : params.top_k]  # exactly k per row
+        kept = np.full_like(z, -np.inf)
+        np.put_along_axis(kept, top, np.take_along_axis(z, top, axis=-1), axis=-1)
+        z = kept
     p = np.exp(z)
     p /= p.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
-        order = np.argsort(-p, axis=-1)
+        order = np.argsort(-p, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(p, order, axis=-1)
         keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < params.top_p  # always keeps the top token
         keep = np.zeros_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         p = np.where(keep, p, 0.0)
-        p /= p.sum(axis=-1, keepdims=True)
-    u = rng.random((p.shape[0], 1))
-    return np.minimum((np.cumsum(p, axis=-1) < u).sum(axis=-1), p.shape[-1] - 1).astype(np.int64)
+    # inverse CDF over the unnormalized mass: u < total, so the first c > u has p > 0 (a token
+    # outside the kept set has p == 0 and is never picked, even where rounding leaves total < 1)
+    c = np.cumsum(p, axis=-1)
+    u = rng.random((p.shape[0], 1)) * c[:, -1:]
+    return (c <= u).sum(axis=-1).astype(np.int64)
