@@ -83,11 +83,8 @@ class AmdBackend(Backend):
         precision = options.precision or self._default_precision(info.kind != "cpu")
         if precision not in lowering.DTYPES:
             raise InputError(f"the amd target compiles fp16, bf16 or fp32, not {precision!r}")
-        if info.kind == "cpu" and precision != "fp32":
-            raise UnsupportedFeatureError(
-                f"{precision} is for the GPU; on the CPU the amd target compiles fp32 (pass --precision fp32, or "
-                f"build on the ROCm machine). No GPU here: {dv.no_gpu_reason()}"
-            )
+        # on the CPU, fp16/bf16 only when asked: torch computes them without the GPU's speed, but with
+        # its rounding, which is how the low-precision tolerance rows are measured where no GPU is
         if precision == "bf16" and info.kind != "cpu" and not torch.cuda.is_bf16_supported():
             raise UnsupportedFeatureError(f"{info.name} has no bf16 support; pass --precision fp16")
         if options.max_batch < 1:

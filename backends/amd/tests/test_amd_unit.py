@@ -14,7 +14,7 @@ import torch
 from kvexport.artifact import export_artifact
 from kvexport.backends import BuildOptions, get
 from kvexport.checkpoint import load_checkpoint
-from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, UnsupportedFeatureError
+from kvexport.errors import ArtifactError, BackendUnavailableError, InputError
 from kvexport.manifest import read
 from kvexport_amd import AmdBackend, lowering
 from kvexport_amd import device as dv
@@ -105,8 +105,6 @@ def _no_export(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the CPU-only refusals")
 @pytest.mark.parametrize(("options", "error", "match"), [
-    (BuildOptions(precision="fp16"), UnsupportedFeatureError, "fp32"),
-    (BuildOptions(precision="bf16"), UnsupportedFeatureError, "ROCm"),
     (BuildOptions(precision="int4"), InputError, "fp16, bf16 or fp32"),
     (BuildOptions(extra={"device": "gpu"}), BackendUnavailableError, "ROCm"),
     (BuildOptions(extra={"nope": 1}), InputError, "unknown amd option"),
@@ -136,13 +134,13 @@ def test_check_refuses_concat_ir_and_quantized_cache(tiny_ir: Path) -> None:
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the CPU-only CLI message")
-def test_cli_gpu_precision_without_gpu_has_no_traceback(amd_builds, tmp_path: Path) -> None:
+def test_cli_gpu_device_without_gpu_has_no_traceback(amd_builds, tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "kvexport", "build", str(amd_builds.checkpoint("llama")),
-                        "--target", "amd", "--precision", "bf16", "--max-seq", "16", "-o", str(tmp_path / "x.kvx")],
+                        "--target", "amd", "--option", "device=gpu", "--max-seq", "16", "-o", str(tmp_path / "x.kvx")],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0
+    assert r.returncode == 3
     assert "Traceback" not in r.stderr + r.stdout
-    assert "fp32" in r.stderr + r.stdout
+    assert "ROCm" in r.stderr + r.stdout
 
 
 @pytest.mark.parametrize("family", AMD_FAMILIES)
