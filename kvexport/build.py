@@ -10,7 +10,6 @@ from kvexport import backends
 from kvexport.artifact import VERIFY_FILE, export_artifact, finish, open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.errors import BackendUnavailableError, InputError, NumericsMismatchError
-from kvexport.manifest import Manifest
 
 Progress = Callable[[str], None]
 PRECISION_ALIASES = {"f32": "fp32", "float32": "fp32", "f16": "fp16", "half": "fp16", "float16": "fp16",
@@ -40,6 +39,8 @@ def build(
     if reasons and not (caps.deferred_build and options.extra.get("defer")):
         hint = " Pass --defer to package the prepared IR; the engine is then built at first load." if caps.deferred_build else ""
         raise BackendUnavailableError(f"target {target!r} cannot build here: " + "; ".join(reasons) + "." + hint)
+    if verify:
+        _require_verify_reference()
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="kvexport-default-") as tmp:
         if model_dir is None:
@@ -78,27 +79,55 @@ def build(
     return out
 
 
+def _require_verify_reference() -> None:
+    """build verifies against transformers: refuse before the long work when it is missing."""
+    from kvexport.errors import ReferenceUnavailableError
+    from kvexport.verify import require_reference
+
+    try:
+        require_reference()
+    except ReferenceUnavailableError as e:
+        raise ReferenceUnavailableError(
+            f"{e}. To build without verifying, pass --no-verify (build(..., verify=False)); the artifact is then "
+            "marked unverified, and `kvexport verify ARTIFACT --reference MODEL_DIR` checks it later"
+        ) from e
+
+
 def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: int = 32,
-               progress: Progress | None = None, raise_on_fail: bool = True, no_rebuild: bool = False) -> dict:
-    """Verify an artifact against a reference checkpoint; record verify.json and the manifest's summary."""
+               progress: Progress | None = None, raise_on_fail: bool = True, no_rebuild: bool = False,
+               self_check: bool = False) -> dict:
+    """Verify an artifact against a reference checkpoint; record verify.json and the manifest's summary.
+
+    A reference that is not the artifact's model, or a missing transformers (unless self_check),
+    is refused before the engine is loaded."""
     from kvexport.runtime.engine import load
-    from kvexport.verify import verify_engine
+    from kvexport.verify import check_reference, require_reference, verify_engine
 
     folder = Path(folder)
+    _, manifest = open_artifact(folder, verify_hashes=False)  # load() below checks the hashes
+    check_reference(manifest, reference_dir)
+    require_reference(self_check)
     engine = load(folder, **({"no_rebuild": True} if no_rebuild else {}))
-    report = verify_engine(engine, reference_dir, decode_steps=decode_steps, progress=progress)
+    report = verify_engine(engine, reference_dir, decode_steps=decode_steps, self_check=self_check,
+                           progress=progress)
     (folder / VERIFY_FILE).write_text(report.to_json())
-    manifest: Manifest = engine.manifest
-    manifest.raw["verification"] = {"file": VERIFY_FILE, "passed": report.passed, "reference": report.reference,
-                                    **{k: report.summary[k] for k in ("max_abs_logit", "greedy_agreement", "mean_kl")}}
+    manifest = engine.manifest
+    s, t = report.summary, report.text
+    manifest.raw["verification"] = {
+        "file": VERIFY_FILE, "passed": report.passed, "reference": report.reference, "mode": report.mode,
+        **{k: s[k] for k in ("max_abs_logit", "greedy_agreement", "mean_kl")},
+        "text": {k: t[k] for k in ("source", "positions", "top1_agreement", "mean_kl", "max_kl", "ppl_change")},
+    }
     finish(folder, manifest)
     if progress:
-        s = report.summary
-        progress(f"verify: max |dlogit| {s['max_abs_logit']:.2e}, greedy agreement {s['greedy_agreement']:.3f}, "
-                 f"mean KL {s['mean_kl']:.2e} -> {'passed' if report.passed else 'FAILED'}")
+        progress(f"verify ({report.mode}): greedy max |dlogit| {s['max_abs_logit']:.2e}, agreement "
+                 f"{s['greedy_agreement']:.3f}; {t['source']} top-1 {t['top1_agreement']:.4f}, mean KL "
+                 f"{t['mean_kl']:.2e}, max KL {t['max_kl']:.2e}, ppl {t['ppl_change']:+.2%} "
+                 f"-> {'passed' if report.passed else 'FAILED'}")
     if raise_on_fail and not report.passed:
         raise NumericsMismatchError(
             f"{folder} differs from the reference beyond the tolerance for ({report.backend}, {report.precision}): "
             + "; ".join(report.failures) + f". Details in {folder / VERIFY_FILE}."
         )
-    return {"passed": report.passed, "failures": report.failures, **report.summary, **report.checks}
+    return {"passed": report.passed, "failures": report.failures, "mode": report.mode, "reference": report.reference,
+            **report.summary, **report.checks, "text": report.text}

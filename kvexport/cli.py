@@ -112,7 +112,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from kvexport.build import run_verify
 
     result = run_verify(a.artifact, a.reference, decode_steps=a.steps, progress=_Progress(a.quiet),
-                        raise_on_fail=False, no_rebuild=a.no_rebuild)
+                        raise_on_fail=False, no_rebuild=a.no_rebuild, self_check=a.self_check)
     if a.json:
         print(json.dumps(result, indent=2))
     if not result["passed"]:
@@ -252,6 +252,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=32)
     s.add_argument("--no-rebuild", action="store_true",
                    help="fail instead of rebuilding when the engine was built for another device or SDK")
+    s.add_argument("--self-check", action="store_true",
+                   help="without transformers: compare with kvexport's own eager decoder (recorded as a self-check)")
     s.add_argument("--json", action="store_true")
     common(s)
     s.set_defaults(fn=cmd_verify)

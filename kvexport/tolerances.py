@@ -1,34 +1,67 @@
-"""The one tolerance table, keyed by (backend, precision). Tests and `kvexport verify` read it."""
+"""The one tolerance table, keyed by (backend, precision). Tests and `kvexport verify` read it.
+
+A row judges one of two ways (kvexport.verify):
+- strict (fp32): the engine's logits over greedy decoding of seeded prompts against the fp32
+  reference: max |logit diff|, identical greedy tokens, mean KL.
+- teacher-forced (any precision below fp32: bf16, fp16, a lossy KV cache): the engine fed a fixed
+  text (the reference's held-out text when it ships one), its next-token distribution at every
+  position against the fp32 reference's: top-1 agreement, mean and max KL, perplexity change.
+  Greedy agreement on random weights is no measure there (their logits are nearly flat), so these
+  rows are set from what a correct engine measures on the trained default model, with margin, and
+  the mutation tests (tests/test_verify.py) show that a broken engine fails them.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+INF = float("inf")
+
 
 @dataclass(frozen=True)
 class Tolerance:
-    max_abs_logit: float  # max |engine - reference| over every compared logit
-    min_greedy_agreement: float  # fraction of greedy steps whose token matches the reference
-    max_mean_kl: float  # mean KL(reference || engine) per step
+    max_abs_logit: float = INF  # strict: max |engine - reference| over every compared logit
+    min_greedy_agreement: float = 0.0  # strict: fraction of greedy steps whose token matches the reference
+    max_mean_kl: float = INF  # mean KL(reference || engine): per greedy step (strict), per text position (teacher-forced)
+    min_top1_agreement: float | None = None  # teacher-forced: argmax agreement per text position; None = strict row
+    max_max_kl: float = INF  # teacher-forced: the worst position's KL
+    max_ppl_change: float = INF  # teacher-forced: |ppl_engine / ppl_reference - 1| on a held-out text
+
+    @property
+    def teacher_forced(self) -> bool:
+        return self.min_top1_agreement is not None
+
+
+def _lossy(top1: float, mean_kl: float, max_kl: float, ppl_change: float) -> Tolerance:
+    return Tolerance(min_top1_agreement=top1, max_mean_kl=mean_kl, max_max_kl=max_kl, max_ppl_change=ppl_change)
 
 
 EXACT = Tolerance(max_abs_logit=1e-4, min_greedy_agreement=1.0, max_mean_kl=1e-6)
+FP32 = Tolerance(max_abs_logit=1e-3, min_greedy_agreement=1.0, max_mean_kl=1e-5)
+
+# Teacher-forced rows: measured on the trained default model's held-out text (docs/design.md,
+# "Verification"), then given margin. A broken engine (RoPE off by one, a stale cache slot, a wrong
+# GQA head mapping) measures top-1 well under 0.9 and mean KL above 0.1 on the same text.
+FP16 = _lossy(top1=0.98, mean_kl=1e-3, max_kl=0.1, ppl_change=0.01)
+BF16 = _lossy(top1=0.95, mean_kl=5e-3, max_kl=0.5, ppl_change=0.03)
 
 TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("reference", "fp32"): EXACT,  # the owned decoder in eager torch
     ("cpu", "fp32"): EXACT,
-    ("intel", "fp32"): Tolerance(1e-3, 1.0, 1e-5),
-    ("intel", "bf16"): Tolerance(float("inf"), 0.99, 1e-3),
+    ("intel", "fp32"): FP32,
+    # OpenVINO bf16 runs only on CPUs with AMX/AVX512-BF16; this row is amd bf16's (full bf16
+    # torch, a harsher rounding than OpenVINO's bf16 matmuls with f32 accumulation) plus margin
+    ("intel", "bf16"): BF16,
     # a lossy KV cache (target.options.kv_precision) costs agreement on top of the weights' precision
-    ("intel", "fp32+kv-f16"): Tolerance(float("inf"), 0.99, 1e-5),
-    ("intel", "fp32+kv-u8"): Tolerance(float("inf"), 0.95, 5e-4),
-    ("intel", "bf16+kv-f16"): Tolerance(float("inf"), 0.99, 1e-3),
-    ("intel", "bf16+kv-u8"): Tolerance(float("inf"), 0.95, 2e-3),
-    ("amd", "fp32"): Tolerance(1e-3, 1.0, 1e-5),
-    ("amd", "fp16"): Tolerance(float("inf"), 0.99, 1e-3),
-    ("amd", "bf16"): Tolerance(float("inf"), 0.99, 2e-3),
-    ("nvidia", "fp16"): Tolerance(float("inf"), 0.99, 1e-3),
-    ("nvidia", "bf16"): Tolerance(float("inf"), 0.99, 2e-3),
-    ("nvidia", "fp32"): Tolerance(1e-3, 1.0, 1e-5),
+    ("intel", "fp32+kv-f16"): FP16,
+    ("intel", "fp32+kv-u8"): FP16,
+    ("intel", "bf16+kv-f16"): BF16,
+    ("intel", "bf16+kv-u8"): BF16,
+    ("amd", "fp32"): FP32,
+    ("amd", "fp16"): FP16,
+    ("amd", "bf16"): BF16,
+    ("nvidia", "fp16"): FP16,
+    ("nvidia", "bf16"): BF16,
+    ("nvidia", "fp32"): FP32,
 }
 
 
