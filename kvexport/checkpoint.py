@@ -14,7 +14,9 @@ from kvexport.config import DecoderConfig
 from kvexport.decoder import Decoder
 from kvexport.errors import CheckpointError, UnsupportedFeatureError, WeightShapeError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# chat_template.jinja: the chat template where the checkpoint keeps it outside tokenizer_config.json
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
 INDEX_FILE = "model.safetensors.index.json"
 
 
