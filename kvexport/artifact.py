@@ -73,7 +73,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def new_manifest(ck: Checkpoint, *, max_seq: int, cache_style: CacheStyle, last_token_only: bool,
-                 dtype: torch.dtype, tokenizer_files: list[str]) -> Manifest:
+                 dtype: torch.dtype, tokenizer_files: list[str], weights: dict[str, dict] | None = None) -> Manifest:
     cfg = ck.config
     ins, outs = io_specs(ck.decoder, cache_style, _dtype_name(dtype))
     pairs = [
@@ -92,7 +92,8 @@ def new_manifest(ck: Checkpoint, *, max_seq: int, cache_style: CacheStyle, last_
             "source_files": ck.source_hashes,
         },
         "ir": {"file": "model.onnx", "data_file": "model.onnx.data", "opset": OPSET,
-               "cache_style": cache_style, "last_token_only": last_token_only, "dtype": _dtype_name(dtype)},
+               "cache_style": cache_style, "last_token_only": last_token_only, "dtype": _dtype_name(dtype),
+               **({"weights": weights} if weights is not None else {})},
         "cache": {
             "style": cache_style, "layout": "BHSD", "dtype": _dtype_name(dtype), "max_seq": max_seq,
             "num_layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
@@ -136,7 +137,7 @@ def export_artifact(
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    export_onnx(ck, tmp, cache_style=cache_style, last_token_only=last_token_only, dtype=dtype, progress=say)
+    ir = export_onnx(ck, tmp, cache_style=cache_style, last_token_only=last_token_only, dtype=dtype, progress=say)
     tok_files = []
     for name in TOKENIZER_FILES:
         src = Path(model_dir) / name
@@ -144,7 +145,7 @@ def export_artifact(
             shutil.copy2(src, tmp / name)
             tok_files.append(name)
     m = new_manifest(ck, max_seq=max_seq, cache_style=cache_style, last_token_only=last_token_only,
-                     dtype=dtype, tokenizer_files=tok_files)
+                     dtype=dtype, tokenizer_files=tok_files, weights=ir.weights)
     finish(tmp, m)
     # replace the old artifact only once the new one is complete: no data lost on failure
     if out.exists():

@@ -1,6 +1,7 @@
 """Tracing the owned decoder into the ONNX IR (opset 24) with the KV cache as named inputs/outputs."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import warnings
@@ -8,11 +9,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
+from onnx import numpy_helper
 
 from kvexport.checkpoint import Checkpoint
-from kvexport.decoder import CacheStyle, Decoder
+from kvexport.decoder import CacheStyle, Decoder, rope_tables
+from kvexport.errors import ArtifactError
+from kvexport.manifest import Manifest
 
 OPSET = 24
 MODEL_FILE = "model.onnx"
@@ -95,6 +100,12 @@ def _tensor_scatter_onnx(cache, update, write_index):  # type: ignore[no-untyped
     return Opset("", OPSET).TensorScatter(cache, update, write_index, axis=-2, mode="linear")
 
 
+@dataclass(frozen=True)
+class ExportedIR:
+    path: Path  # model.onnx (weights in model.onnx.data)
+    weights: dict[str, dict]  # decoder parameter -> the initializer holding it (weight_map)
+
+
 def export_onnx(
     ck: Checkpoint,
     out_dir: str | Path,
@@ -103,8 +114,10 @@ def export_onnx(
     last_token_only: bool = True,
     dtype: torch.dtype = torch.float32,
     progress: Callable[[str], None] | None = None,
-) -> Path:
-    """Trace `ck.decoder` with torch.onnx (dynamo) and write model.onnx + model.onnx.data."""
+) -> ExportedIR:
+    """Trace `ck.decoder` with torch.onnx (dynamo) and write model.onnx + model.onnx.data.
+
+    Also returns which initializer holds each decoder parameter (weight_map), for manifest `ir.weights`."""
     say = progress or (lambda _m: None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,12 +143,16 @@ def export_onnx(
     say(f"traced in {time.perf_counter() - t0:.1f}s; writing {MODEL_FILE}")
     model = program.model_proto
     finalize_graph(model, ck.config.model_type)
+    weights = weight_map(model, dec)
+    lost = [n for n, _ in dec.named_parameters() if n not in weights]
+    if lost:  # the IR still runs; only backends that rebuild the decoder from it (decoder_from_ir) refuse it
+        say(f"warning: no initializer of the IR holds {', '.join(lost[:4])}{' ...' if len(lost) > 4 else ''}")
     path = out / MODEL_FILE
     (out / DATA_FILE).unlink(missing_ok=True)
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=DATA_FILE, size_threshold=1024)
     dec.onnx_ops = False
-    return path
+    return ExportedIR(path, weights)
 
 
 class _quiet_exporter:
@@ -203,3 +220,123 @@ def _scope_of(node: onnx.NodeProto) -> str:
             if len(scopes) >= 2 and not scopes[-2].startswith("_"):
                 return scopes[-2]
     return "model"
+
+
+# --- the IR's weights <-> the owned decoder's parameters -------------------------------------
+_ONNX_DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+                torch.bfloat16: onnx.TensorProto.BFLOAT16}
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _init_bytes(init: onnx.TensorProto) -> bytes:
+    return init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).tobytes()
+
+
+def weight_map(model: onnx.ModelProto, dec: Decoder) -> dict[str, dict]:
+    """Decoder parameter name -> {"initializer", "transposed", "shape"}: the initializer of `model`
+    that holds the parameter's exact value (transposed: as a MatMul's `{module}/weight_t`).
+
+    Names alone do not say it: the exporter stores equal tensors once, under the first name it met
+    (a checkpoint as `transformers` initializes it has every bias zero and every norm weight one, so
+    `layers.1.attn.qkv_proj.bias` lives in `layers.0.attn.qkv_proj.bias`), and a tied embedding under
+    `lm_head.weight`. Each parameter is matched by value: its own name or `{module}/weight_t` first,
+    else any initializer of the same dtype and shape with the same bytes (sha256), in graph order.
+    A parameter that no initializer holds is left out (decoder_from_ir then names it).
+    """
+    inits = list(model.graph.initializer)
+    by_name = {i.name: i for i in inits}
+    digests: dict[str, str] = {}
+
+    def digest(init: onnx.TensorProto) -> str:
+        if init.name not in digests:
+            digests[init.name] = hashlib.sha256(_init_bytes(init)).hexdigest()
+        return digests[init.name]
+
+    out: dict[str, dict] = {}
+    for name, p in dec.named_parameters():  # a tied lm_head appears once, as embed_tokens.weight
+        dtype = _ONNX_DTYPES.get(p.dtype)
+        module, leaf = name.rsplit(".", 1) if "." in name else ("model", name)
+        forms = [(False, list(p.shape))] + ([(True, list(p.shape)[::-1])] if p.dim() == 2 else [])
+        found = None
+        for transposed, dims in forms:  # the names finalize_graph gives
+            init = by_name.get(f"{module}/{leaf}_t" if transposed else name)
+            if init is not None and init.data_type == dtype and list(init.dims) == dims:
+                if _init_bytes(init) == _tensor_bytes(p.t() if transposed else p):
+                    found = (init.name, transposed)
+                    break
+        for transposed, dims in forms if found is None else []:  # merged with an equal tensor
+            want = hashlib.sha256(_tensor_bytes(p.t() if transposed else p)).hexdigest()
+            match = next((i for i in inits if i.data_type == dtype and list(i.dims) == dims and digest(i) == want), None)
+            if match is not None:
+                found = (match.name, transposed)
+                break
+        if found is not None:
+            out[name] = {"initializer": found[0], "transposed": found[1], "shape": list(p.shape)}
+    return out
+
+
+def _legacy_weight_map(inits: dict[str, onnx.TensorProto], dec: Decoder) -> dict[str, dict]:
+    """For an IR whose manifest predates `ir.weights`: parameters found by name (or `{module}/weight_t`)."""
+    out: dict[str, dict] = {}
+    for name, p in dec.named_parameters():
+        module, leaf = name.rsplit(".", 1) if "." in name else ("model", name)
+        aliases = [name] + (["lm_head.weight"] if dec.cfg.tie_word_embeddings and name == "embed_tokens.weight" else [])
+        for alias in aliases:
+            amod, aleaf = alias.rsplit(".", 1)
+            hit = next(((n, t) for n, t in ((alias, False), (f"{amod}/{aleaf}_t", True)) if n in inits), None)
+            if hit is not None:
+                out[name] = {"initializer": hit[0], "transposed": hit[1], "shape": list(p.shape)}
+                break
+    return out
+
+
+def decoder_from_ir(folder: str | Path, manifest: Manifest, *, cache_style: CacheStyle | None = None,
+                    last_token_only: bool | None = None) -> Decoder:
+    """Rebuild the owned Decoder (plain torch ops, float32, eval, no grad) from the artifact's own IR.
+
+    Backends that lower from the decoder rather than from the ONNX graph (intel, amd) build from
+    the IR, not the source checkpoint (which may be gone), so that the artifact stays self-contained
+    and a later machine can rebuild it. Manifest `ir.weights` names the initializer that holds each
+    parameter (weight_map). cache_style and last_token_only default to the IR's own.
+    Raises ArtifactError for an IR that lacks a parameter or holds one of the wrong shape.
+    """
+    folder = Path(folder)
+    cfg, ir = manifest.config, manifest.raw["ir"]
+    model = onnx.load(str(folder / ir["file"]), load_external_data=True)
+    inits = {i.name: i for i in model.graph.initializer}
+    with torch.device("meta"):  # no random init of weights that are overwritten next
+        dec = Decoder(cfg, manifest.max_seq, cache_style=cache_style or ir["cache_style"], onnx_ops=False,
+                      last_token_only=bool(ir["last_token_only"]) if last_token_only is None else last_token_only)
+    recorded = ir.get("weights")
+    where = recorded if recorded is not None else _legacy_weight_map(inits, dec)
+    state: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for name, p in dec.named_parameters():
+        entry = where.get(name)
+        init = inits.get(entry["initializer"]) if entry else None
+        if init is None:
+            missing.append(name)
+            continue
+        arr = numpy_helper.to_array(init)
+        arr = arr.T if entry["transposed"] else arr
+        if tuple(arr.shape) != tuple(p.shape) or list(entry["shape"]) != list(p.shape):
+            raise ArtifactError(f"IR weight {init.name} has shape {tuple(arr.shape)}, the decoder expects "
+                                f"{tuple(p.shape)} for {name}; rebuild the artifact with `kvexport build`")
+        state[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))  # writable
+    if missing:
+        raise ArtifactError(
+            f"the IR in {folder} has no weight for {len(missing)} decoder parameter(s) ({', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''})"
+            + ("" if recorded is not None else "; its manifest predates `ir.weights`")
+            + ": it was not made by this kvexport's exporter. Rebuild the artifact from its checkpoint with `kvexport build`"
+        )
+    dec = dec.to_empty(device="cpu")
+    dec.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        dec.lm_head.weight = dec.embed_tokens.weight  # to_empty gave the tied pair two tensors
+    if cfg.position_kind == "rope":
+        dec.rope_cos, dec.rope_sin = rope_tables(cfg, manifest.max_seq)  # buffers were built on meta
+    return dec.eval().requires_grad_(False)

@@ -94,6 +94,14 @@ def validate(raw: Any) -> None:
     for kind in ("inputs", "outputs"):
         for i, io in enumerate(raw[kind]):
             _check_fields(io, {"name": str, "dtype": str, "shape": list}, f"{kind}[{i}]")
+    weights = raw["ir"].get("weights")  # optional: manifests written before it lack it
+    if weights is not None:
+        if not isinstance(weights, dict):
+            raise ManifestError("manifest.json: `ir.weights` has the wrong type")
+        for name, w in weights.items():
+            if not isinstance(w, dict):
+                raise ManifestError(f"manifest.json: `ir.weights.{name}` has the wrong type")
+            _check_fields(w, {"initializer": str, "transposed": bool, "shape": list}, f"ir.weights.{name}")
     for i, p in enumerate(raw["cache"]["pairs"]):
         _check_fields(p, {"layer": int, "kind": str, "input": str, "output": str}, f"cache.pairs[{i}]")
     if raw["cache"]["layout"] != "BHSD":
