@@ -68,6 +68,7 @@ class AmdBackend(Backend):
     def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
         import torch
 
+        from kvexport.export import decoder_from_ir
         from kvexport_amd import lowering
 
         # every refusal comes before the minutes of compiling
@@ -100,7 +101,7 @@ class AmdBackend(Backend):
         if model_dir:
             decoder = lowering.decoder_from_checkpoint(Path(model_dir), manifest)
         else:
-            decoder = lowering.decoder_from_ir(folder, manifest)
+            decoder = decoder_from_ir(folder, manifest)
         program = lowering.export_program(decoder, max_batch=options.max_batch, dtype=lowering.DTYPES[precision],
                                           device=info.torch_device)
         t_export = time.perf_counter() - t0

@@ -22,58 +22,7 @@ _FORBIDDEN_DIRS = ("data/weights/", "data/constants/", "data/sample_inputs/", "m
 _FORBIDDEN_SUFFIXES = (".pkl", ".pt", ".pth", ".bin", ".pickle")
 
 
-# --- weights --------------------------------------------------------------------------------
-def decoder_from_ir(folder: Path, manifest: Manifest) -> nn.Module:
-    """Rebuild the owned Decoder (plain torch, static cache) from the weights in model.onnx.
-
-    The IR is the contract between frontend and backend: building from it (rather than from the
-    source checkpoint, which may be gone) also lets a later machine recompile the same artifact.
-    Initializers carry the decoder's parameter names; a MatMul weight is stored transposed as
-    `{module}/weight_t` (kvexport.export.finalize_graph).
-    """
-    import onnx
-    from onnx import numpy_helper
-
-    from kvexport.decoder import Decoder, rope_tables
-
-    cfg = manifest.config
-    model = onnx.load(str(folder / manifest.raw["ir"]["file"]), load_external_data=True)
-    inits = {i.name: i for i in model.graph.initializer}
-    with torch.device("meta"):
-        dec = Decoder(cfg, manifest.max_seq, cache_style="static",
-                      last_token_only=bool(manifest.raw["ir"]["last_token_only"]), onnx_ops=False)
-    state: dict[str, Tensor] = {}
-    missing: list[str] = []
-    for name, param in dec.named_parameters():  # a tied lm_head appears once, as embed_tokens.weight
-        module, leaf = name.rsplit(".", 1)
-        candidates = [(name, False), (f"{module}/{leaf}_t", True)]
-        if cfg.tie_word_embeddings and name == "embed_tokens.weight":
-            candidates += [("lm_head.weight", False), ("lm_head/weight_t", True)]
-        found = next(((n, t) for n, t in candidates if n in inits), None)
-        if found is None:
-            missing.append(name)
-            continue
-        arr = torch.from_numpy(numpy_helper.to_array(inits[found[0]]).copy())
-        arr = arr.t() if found[1] else arr
-        if tuple(arr.shape) != tuple(param.shape):
-            raise ArtifactError(f"IR weight {found[0]} has shape {tuple(arr.shape)}, the decoder expects "
-                                f"{tuple(param.shape)} for {name}; rebuild the artifact with `kvexport build`")
-        state[name] = arr.float().contiguous()
-    if missing:
-        raise ArtifactError(
-            f"the IR in {folder} has no weight for {len(missing)} decoder parameter(s) ({', '.join(missing[:4])}"
-            f"{' ...' if len(missing) > 4 else ''}); it was written by another kvexport version. Rebuild it, or "
-            "pass the source checkpoint: --option model_dir=PATH"
-        )
-    dec = dec.to_empty(device="cpu")
-    dec.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        dec.lm_head.weight = dec.embed_tokens.weight
-    if cfg.position_kind == "rope":
-        dec.rope_cos, dec.rope_sin = rope_tables(cfg, manifest.max_seq)  # built on meta above
-    return dec.eval().requires_grad_(False)
-
-
+# --- weights (from the IR: kvexport.export.decoder_from_ir) ------------------------------------
 def decoder_from_checkpoint(model_dir: Path, manifest: Manifest) -> nn.Module:
     """The same decoder read from the source checkpoint; its files must be the ones the IR came from."""
     from kvexport.checkpoint import load_checkpoint

@@ -14,6 +14,7 @@ import torch
 import kvexport
 from kvexport.artifact import finish, open_artifact
 from kvexport.errors import ArtifactError, BackendUnavailableError, ContextOverflowError, InputError
+from kvexport.export import decoder_from_ir
 from kvexport.tolerances import tolerance
 from kvexport_amd import AmdBackend, lowering
 
@@ -81,7 +82,7 @@ def test_decoder_rebuilt_from_ir_equals_checkpoint(amd_builds) -> None:
     """The weights the package was compiled from are exactly the checkpoint's, for every family."""
     for family in AMD_FAMILIES:
         folder, m = open_artifact(amd_builds[family])
-        a = lowering.decoder_from_ir(folder, m).state_dict()
+        a = decoder_from_ir(folder, m).state_dict()
         b = lowering.decoder_from_checkpoint(amd_builds.checkpoint(family), m).state_dict()
         assert a.keys() == b.keys()
         for k in a:

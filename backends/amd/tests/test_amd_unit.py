@@ -100,7 +100,7 @@ def _no_export(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("refusals must come before export/compile")
 
     monkeypatch.setattr(lowering, "export_program", boom)
-    monkeypatch.setattr(lowering, "decoder_from_ir", boom)
+    monkeypatch.setattr("kvexport.export.decoder_from_ir", boom)
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the CPU-only refusals")

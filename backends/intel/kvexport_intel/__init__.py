@@ -110,11 +110,12 @@ class IntelBackend(Backend):
 
         import openvino as ov
 
+        from kvexport.export import decoder_from_ir
         from kvexport_intel import lowering
 
         t0 = time.perf_counter()
         progress("intel: reading weights back from the IR into the owned decoder")
-        dec = lowering.decoder_from_ir(folder, manifest)
+        dec = decoder_from_ir(folder, manifest, cache_style="concat", last_token_only=True)
         progress("intel: tracing the stateful step through OpenVINO's PyTorch frontend")
         model = lowering.convert(dec, manifest)
         engine = folder / ENGINE_DIR

@@ -27,47 +27,6 @@ XML, BIN = "openvino_model.xml", "openvino_model.bin"
 STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "beam_idx")
 
 
-# --- weights: the artifact's ONNX initializers -> the owned decoder ---------------------------
-def decoder_from_ir(folder: Path, manifest: Manifest) -> Decoder:
-    """Rebuild the canonical decoder from model.onnx(.data). The exporter stores a Linear's weight
-    either under its own name or transposed as `{module}/weight_t`; both are read back."""
-    import onnx
-    from onnx import numpy_helper
-
-    model = onnx.load(str(folder / manifest.raw["ir"]["file"]), load_external_data=True)
-    inits = {i.name: i for i in model.graph.initializer}
-    dec = Decoder(manifest.config, manifest.max_seq, cache_style="concat", onnx_ops=False, last_token_only=True)
-    state: dict[str, Tensor] = {}
-    missing = []
-    tied = manifest.config.tie_word_embeddings
-    for name, p in dec.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue  # the same Parameter as embed_tokens.weight
-        # tied tables are stored once, under whichever name the exporter met first
-        aliases = [name, "lm_head.weight"] if tied and name == "embed_tokens.weight" else [name]
-        arr = None
-        for alias in aliases:
-            module = alias.rsplit(".", 1)[0]
-            if alias in inits:
-                arr = numpy_helper.to_array(inits[alias])
-            elif alias.endswith(".weight") and f"{module}/weight_t" in inits:
-                arr = numpy_helper.to_array(inits[f"{module}/weight_t"]).T
-            if arr is not None:
-                break
-        if arr is None:
-            missing.append(name)
-            continue
-        if tuple(arr.shape) != tuple(p.shape):
-            raise ArtifactError(f"{name} in the IR has shape {arr.shape}, the config predicts {tuple(p.shape)}; "
-                                "re-export the artifact")
-        state[name] = torch.from_numpy(np.array(arr, copy=True)).to(p.dtype)  # writable copy
-    if missing:
-        raise ArtifactError(f"the IR lacks weights {missing[:4]}{'...' if len(missing) > 4 else ''}; "
-                            "it was not made by this kvexport's exporter: re-export it")
-    dec.load_state_dict(state, strict=False)
-    return dec.eval()
-
-
 # --- the traced step ------------------------------------------------------------------------
 class StatefulStep(nn.Module):
     """forward(input_ids, position_ids, attention_mask, beam_idx, *past) -> (logits, *present).
