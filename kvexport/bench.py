@@ -152,13 +152,19 @@ def bench_engine(engine: Engine, prompt_len: int, new_tokens: int) -> dict[str, 
         tok = engine.decode(batch, tok, copy=False).argmax(-1)
     decode = time.perf_counter() - t1
     run = getattr(batch.state, "run_seconds", None)
+    copied = engine.session.cache_bytes_copied(batch.state)
     result = {
         "ttft_s": ttft,
         "decode_tok_s": (new_tokens - 1) / decode,
         "python_overhead": None if run is None or run0 is None else 1.0 - (run - run0) / decode,
+        # None where the backend cannot measure a figure; `not_measured` then says why
         "kv_cache_bytes": engine.session.cache_bytes(batch.state),
-        "cache_bytes_copied_per_decode_step": (engine.session.cache_bytes_copied(batch.state) - copied0) / (new_tokens - 1),
+        "cache_bytes_copied_per_decode_step": (None if copied is None or copied0 is None
+                                               else (copied - copied0) / (new_tokens - 1)),
     }
+    result["not_measured"] = {k: why for k, why in engine.session.not_measured().items()
+                              if result[{"cache_bytes": "kv_cache_bytes",
+                                         "cache_bytes_copied": "cache_bytes_copied_per_decode_step"}[k]] is None}
     engine.session.release(batch.state)
     return result
 
@@ -275,7 +281,8 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
                 "decode_vs_hf_cache": e["decode_tok_s"] / h["decode_tok_s"],
                 "decode_vs_hf_nocache": e["decode_tok_s"] / hn["decode_tok_s"],
                 "ttft_vs_hf_cache": e["ttft_s"] / h["ttft_s"],
-                "kv_bytes_vs_hf_cache": e["kv_cache_bytes"] / h["kv_cache_bytes"],
+                "kv_bytes_vs_hf_cache": (None if e["kv_cache_bytes"] is None
+                                         else e["kv_cache_bytes"] / h["kv_cache_bytes"]),
             }
             if gemv is not None:  # the most any engine on these MatMul kernels could show against transformers
                 row["ratios"]["floor_vs_hf_cache"] = floor_rate / h["decode_tok_s"]
@@ -289,6 +296,16 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     return report
 
 
+def _kv(e: dict[str, Any]) -> str:
+    """The engine's cache figures as measured, or `not measured (why)`."""
+    why = e.get("not_measured", {})
+    kv = (f"kv {e['kv_cache_bytes'] / 2**20:.1f} MiB" if e["kv_cache_bytes"] is not None
+          else f"kv not measured ({why.get('cache_bytes', 'no figure from this backend')})")
+    copied = e["cache_bytes_copied_per_decode_step"]
+    return kv + ("   copied/step " + (f"{copied:.0f} B" if copied is not None else
+                                     f"not measured ({why.get('cache_bytes_copied', 'no figure from this backend')})"))
+
+
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"kvexport bench: {r['artifact']} ({r['backend']}, {r['threads']} threads, max_seq {r['max_seq']}, "
              f"{r['new_tokens']} new tokens, greedy, best of {r['rounds']} interleaved rounds)",
@@ -296,8 +313,7 @@ def format_report(r: dict[str, Any]) -> str:
     for p, row in r["prompts"].items():
         e = row["engine"]
         lines.append(f"prompt {p}:")
-        lines.append(f"  engine      decode {e['decode_tok_s']:7.1f} tok/s   ttft {e['ttft_s'] * 1e3:7.1f} ms   "
-                     f"kv {e['kv_cache_bytes'] / 2**20:.1f} MiB   copied/step {e['cache_bytes_copied_per_decode_step']:.0f} B"
+        lines.append(f"  engine      decode {e['decode_tok_s']:7.1f} tok/s   ttft {e['ttft_s'] * 1e3:7.1f} ms   {_kv(e)}"
                      + (f"   python overhead {e['python_overhead'] * 100:.1f}%" if e["python_overhead"] is not None else ""))
         lines.append(f"  bound       {row['bandwidth_bound_tok_s']:7.1f} tok/s (weights + KV / bandwidth): "
                      f"engine reaches {row['fraction_of_bound'] * 100:.0f}%")
@@ -307,7 +323,7 @@ def format_report(r: dict[str, Any]) -> str:
         for k, v in row.items():
             if k.startswith("other:"):
                 lines.append(f"  {k[6:]}: decode {v['decode_tok_s']:.1f} tok/s = {v['decode_ratio_vs_main']:.3f}x the main "
-                             f"engine, ttft {v['ttft_s'] * 1e3:.1f} ms, kv {v['kv_cache_bytes'] / 2**20:.1f} MiB")
+                             f"engine, ttft {v['ttft_s'] * 1e3:.1f} ms, {_kv(v)}")
         if "ratios" in row:
             h, hn, q = row["hf_cache"], row["hf_nocache"], row["ratios"]
             lines.append(f"  HF eager    decode {h['decode_tok_s']:7.1f} tok/s   ttft {h['ttft_s'] * 1e3:7.1f} ms")
@@ -315,7 +331,9 @@ def format_report(r: dict[str, Any]) -> str:
             rounds = ", ".join(f"{x:.2f}" for x in q["decode_vs_hf_cache_per_round"])
             lines.append(f"  per round   decode ÷ HF eager {rounds} (median {q['decode_vs_hf_cache_median_round']:.2f}x)")
             lines.append(f"  ratios      decode {q['decode_vs_hf_cache']:.2f}x HF eager, {q['decode_vs_hf_nocache']:.1f}x no-cache; "
-                         f"ttft {q['ttft_vs_hf_cache']:.2f}x HF eager; KV bytes {q['kv_bytes_vs_hf_cache']:.2f}x HF's")
+                         f"ttft {q['ttft_vs_hf_cache']:.2f}x HF eager; KV bytes "
+                         + (f"{q['kv_bytes_vs_hf_cache']:.2f}x HF's" if q["kv_bytes_vs_hf_cache"] is not None
+                            else "not measured"))
             if "floor_vs_hf_cache" in q:
                 lines.append(f"  floor       ÷ HF eager {q['floor_vs_hf_cache']:.2f}x (the ratio a step of bare weight GEMVs would show)")
     lines.append(f"RSS: {r['rss_mb_engine']:.0f} MiB after the engine's runs; process peak {r['peak_rss_mb']:.0f} MiB"

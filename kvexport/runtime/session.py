@@ -36,10 +36,17 @@ class Session(ABC):
         """Facts for `inspect` and `bench` (threads, cache policy, device)."""
         return {}
 
-    def cache_bytes(self, state: Any) -> int:
-        """Bytes the state's KV cache occupies now."""
-        return 0
+    def cache_bytes(self, state: Any) -> int | None:
+        """Bytes the state's KV cache occupies now, as read from the buffers or the runtime;
+        None where the backend cannot measure it (`not_measured` says why)."""
+        return None
 
-    def cache_bytes_copied(self, state: Any) -> int:
-        """Cache bytes copied so far for this state (growth steps only; 0 per decode step)."""
-        return 0
+    def cache_bytes_copied(self, state: Any) -> int | None:
+        """Cache bytes copied so far for this state, counted where the copies happen;
+        None where the backend cannot count them (`not_measured` says why)."""
+        return None
+
+    def not_measured(self) -> dict[str, str]:
+        """Why `cache_bytes` / `cache_bytes_copied` return None here, by method name."""
+        return {"cache_bytes": "this backend does not report its cache size",
+                "cache_bytes_copied": "this backend does not count cache copies"}

@@ -16,9 +16,8 @@ from kvexport.runtime.session import Session
 # f32 and bf16, so visible rows are unchanged. -1e30 fits bf16's range (finfo(f32).min rounds
 # to -inf in bf16).
 MASKED = np.float32(-1e30)
-# Bytes per cached element, and per (row, head, token) the u8 cache's f32 scale + zero point.
+# Bytes per cached element by cache precision (the storage layout; OpenVINO does not report it).
 KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
-U8_GROUP_OVERHEAD = 8
 
 
 @dataclass
@@ -66,13 +65,29 @@ class IntelSession(Session):
             self._pool.append(state.request)
         state.request = None
 
-    def cache_bytes(self, state: IntelState) -> int:
-        kv = self.facts.get("kv_precision", "f32")
-        per_token = self.kv_heads * (self.head_dim * KV_ITEM_BYTES[kv] + (U8_GROUP_OVERHEAD if kv == "u8" else 0))
-        return 2 * self.num_layers * state.batch * state.slots * per_token
+    def state_bytes(self, state: IntelState) -> int:
+        """Bytes of the KV state as OpenVINO reports it (query_state: each state tensor's byte_size).
+        The plugin hands the state back converted to f32 whatever its cache precision, so this is the
+        f32 size of the tokens held, not the u8/f16 storage; nor does it include the plugin's spare
+        capacity. (Reading it copies the state: call it outside timed loops.)"""
+        if state.request is None:
+            return 0
+        return sum(int(v.state.byte_size) for v in state.request.query_state())
 
-    def cache_bytes_copied(self, state: IntelState) -> int:
-        return 0  # the plugin appends into its own state buffers; nothing is copied by kvexport
+    def cache_bytes(self, state: IntelState) -> int | None:
+        if self.facts.get("kv_precision", "f32") != "f32":
+            return None  # query_state shows the dequantized f32 view, not what is stored
+        return self.state_bytes(state)
+
+    def cache_bytes_copied(self, state: IntelState) -> int | None:
+        return None  # the plugin grows its own state buffers: any copy happens inside OpenVINO, uncounted
+
+    def not_measured(self) -> dict[str, str]:
+        return {
+            "cache_bytes": (f"OpenVINO returns the {self.facts.get('kv_precision')} cache converted to f32 "
+                            "(query_state), not its storage"),
+            "cache_bytes_copied": "OpenVINO grows its state buffers itself and reports no copy count",
+        }
 
     # --- step -------------------------------------------------------------------------------
     def step(self, state: IntelState, input_ids: np.ndarray, position_ids: np.ndarray,

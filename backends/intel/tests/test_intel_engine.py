@@ -148,23 +148,19 @@ def test_tampered_engine_file_is_refused(intel_artifacts: dict, tmp_path: Path) 
 
 
 def test_kv_cache_precision_memory_and_agreement(intel_artifacts: dict) -> None:
-    """u8 / f16 KV cache through OpenVINO's cache-precision properties: bytes saved vs agreement lost."""
+    """u8 / f16 KV cache through OpenVINO's cache-precision properties: agreement lost (the memory
+    they save is measured in test_intel_state_bytes.py)."""
     _, art = intel_artifacts["llama"]
     prompt = prompt_ids(17)
     base = kvexport.load(str(art), kv_precision="f32", precision="fp32")  # the cache's cost alone, on every CPU
     tokens, ref = greedy_run(base, prompt, 32)
-    st = base.session.new_state(1, 64)
-    st.slots = 49
-    f32_bytes = base.session.cache_bytes(st)
-    for kv, min_saving in (("f16", 1.9), ("u8", 2.5)):
+    for kv in ("f16", "u8"):
         eng = kvexport.load(str(art), kv_precision=kv, precision="fp32")
         assert eng.session.describe()["kv_precision"] == kv
         batch = eng.prefill(prompt, 32)  # teacher-forced on the f32 path so the steps line up
         got = [batch.logits[0].copy()] + [eng.decode(batch, np.array([t]))[0].copy() for t in tokens[:-1]]
         stats = compare(ref, np.stack(got))
-        saving = f32_bytes / eng.session.cache_bytes(st)
-        print(f"kv {kv}: {saving:.2f}x less cache memory than f32, vs the f32 cache: {stats}")
-        assert saving >= min_saving
+        print(f"kv {kv} vs the f32 cache: {stats}")
         assert stats["max_abs_logit"] > 0  # the property took effect: a lossy cache changes the logits
         assert stats["greedy_agreement"] >= 0.9
 
@@ -205,6 +201,6 @@ def test_build_with_a_lossy_kv_cache_records_what_it_costs(intel_artifacts: dict
     IntelBackend().build(folder, manifest, BuildOptions(extra={"kv_precision": "u8"}), lambda _m: None)
     cost = manifest.raw["target"]["options"]["kv_precision_cost"]
     print(f"build-time u8 KV cost: {cost}")
-    assert cost["kv_precision"] == "u8" and cost["memory_saving"] > 2.5
+    assert cost["kv_precision"] == "u8" and "not measured" in cost["memory"]
     assert 0 < cost["max_abs_logit"] and cost["greedy_agreement"] >= 0.9
     assert manifest.raw["target"]["options"]["kv_precision"] == "u8"
