@@ -10,6 +10,7 @@ torch and TensorRT are imported inside functions: the module imports on CPU-only
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +46,24 @@ class _State:
     contexts: list[Any]  # [prefill, decode] IExecutionContext
     held: int = 0  # cache slots every row holds (T)
     graph: Any = None  # torch.cuda.CUDAGraph of the decode step, captured on the first decode
+    captures: int = 0  # decode graphs captured for this state (1 once decoding, with cuda_graph)
+    replays: int = 0  # decode steps served by replaying the captured graph
     decode_io: dict[str, Any] = field(default_factory=dict)  # static device buffers the graph reads
     host_io: dict[str, Any] = field(default_factory=dict)  # pinned staging for them
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def graph_step(state: _State, *, eager: Callable[[], None], capture: Callable[[], Any]) -> None:
+    """One graph-mode decode step: replay the state's captured graph, or, the first time, run the
+    step eagerly (its result is this step's output) and capture the same launch for later steps.
+    Counts both on the state, so tests can check that decode really is captured once and replayed."""
+    if state.graph is not None:
+        state.graph.replay()
+        state.replays += 1
+        return
+    eager()
+    state.graph = capture()
+    state.captures += 1
 
 
 class TrtSession(Session):
@@ -206,19 +222,21 @@ class TrtSession(Session):
         with torch.cuda.stream(state.stream):
             for k in host:
                 state.decode_io[k].copy_(state.host_io[k], non_blocking=True)
-            if state.graph is not None:
-                state.graph.replay()
-            else:
-                inputs = {k: state.decode_io[k] for k in host}
-                self._bind(state, ctx, inputs, logits)
+
+            def eager() -> None:
+                self._bind(state, ctx, {k: state.decode_io[k] for k in host}, logits)
                 # the eager run is this step's result and flushes TensorRT's deferred setup, which
                 # must not happen inside a capture; the graph then records the same launch
                 if not ctx.execute_async_v3(state.stream.cuda_stream):
                     raise EngineBuildError("TensorRT execute_async_v3 failed; see the TensorRT log above")
                 state.stream.synchronize()
+
+            def capture() -> Any:
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: other threads' CUDA calls (their own states) may go on during capture
                 with torch.cuda.graph(graph, stream=state.stream, capture_error_mode="thread_local"):
                     ctx.execute_async_v3(state.stream.cuda_stream)
-                state.graph = graph
+                return graph
+
+            graph_step(state, eager=eager, capture=capture)
             return logits[:, -1, :].float().cpu().numpy()

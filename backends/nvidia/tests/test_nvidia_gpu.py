@@ -69,6 +69,51 @@ def test_cuda_graph_decode_equals_eager_decode(built: Path) -> None:
     assert _greedy(built, cuda_graph=True) == _greedy(built, cuda_graph=False)
 
 
+def test_decode_is_captured_once_and_replayed(built: Path) -> None:
+    """Graph mode: the first decode runs eagerly and is captured, every later one is a replay;
+    cuda_graph=False never captures. Same tokens and close logits either way."""
+    import kvexport
+
+    def run(**load_options: object) -> tuple[list[int], np.ndarray, object]:
+        engine = kvexport.load(str(built), **load_options)
+        batch = engine.prefill(PROMPTS[0], 24)
+        tokens, logits = [int(batch.logits[0].argmax())], [batch.logits[0]]
+        for _ in range(23):
+            logits.append(engine.decode(batch, np.array([tokens[-1]]))[0])
+            tokens.append(int(logits[-1].argmax()))
+        return tokens, np.stack(logits), batch.state
+
+    g_tokens, g_logits, g_state = run(cuda_graph=True)
+    e_tokens, e_logits, e_state = run(cuda_graph=False)
+    assert (g_state.captures, g_state.replays) == (1, 22) and g_state.graph is not None
+    assert (e_state.captures, e_state.replays) == (0, 0) and e_state.graph is None
+    assert g_tokens == e_tokens
+    np.testing.assert_allclose(g_logits, e_logits, atol=1e-2, rtol=0)  # the same kernels, replayed
+
+
+def test_two_states_use_the_same_profiles_at_once(built: Path) -> None:
+    """Each request state creates its own prefill and decode execution contexts, so two live states
+    are two contexts on each optimization profile (set_optimization_profile_async with the same
+    index). Interleaved step by step, and then in two threads, each must equal its run alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import kvexport
+
+    engine = kvexport.load(str(built))
+    alone = [engine.generate(p, max_new_tokens=16).token_ids for p in PROMPTS]  # type: ignore[union-attr]
+    batches = [engine.prefill(p, 16) for p in PROMPTS]  # both states alive: 2 contexts per profile
+    assert all(len(b.state.contexts) == 2 for b in batches)
+    together: list[list[int]] = [[int(b.logits[0].argmax())] for b in batches]
+    for _ in range(15):
+        for b, toks in zip(batches, together):  # A, B, A, B, ...: each context used while the other lives
+            toks.append(int(engine.decode(b, np.array([toks[-1]]))[0].argmax()))
+    assert together == alone
+    assert all((b.state.captures, b.state.replays) == (1, 14) for b in batches)
+    with ThreadPoolExecutor(2) as pool:
+        threaded = list(pool.map(lambda p: engine.generate(p, max_new_tokens=16).token_ids, PROMPTS * 2))
+    assert threaded == alone * 2
+
+
 def test_fingerprint_mismatch_rebuilds_into_the_cache(built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVEXPORT_CACHE", str(tmp_path / "cache"))
     moved = tmp_path / "other-gpu.kvx"

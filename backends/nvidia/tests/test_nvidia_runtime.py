@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvexport.errors import ContextOverflowError, InputError
-from kvexport_nvidia.runtime import TrtSession, _State
+from kvexport_nvidia.runtime import TrtSession, _State, graph_step
 from kvexport_nvidia.trt_build import EngineBuildError
 
 PAIRS = [("past_key_values.0.key", "present.0.key"), ("past_key_values.0.value", "present.0.value")]
@@ -117,3 +117,30 @@ def test_step_checks_before_touching_the_gpu() -> None:
 def test_new_state_refuses_more_than_max_seq() -> None:
     with pytest.raises(ContextOverflowError, match="max_seq 16"):
         _session(max_seq=16).new_state(1, 17)
+
+
+class FakeGraph:
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def replay(self) -> None:
+        self.log.append("replay")
+
+
+def test_graph_step_captures_once_then_replays_and_counts_both() -> None:
+    st, log = _state(), []
+    for _ in range(5):
+        graph_step(st, eager=lambda: log.append("eager"), capture=lambda: log.append("capture") or FakeGraph(log))
+    assert log == ["eager", "capture", "replay", "replay", "replay", "replay"]  # the first step's result is eager
+    assert (st.captures, st.replays) == (1, 4)
+
+
+def test_a_failed_eager_step_captures_nothing() -> None:
+    st = _state()
+
+    def fail() -> None:
+        raise EngineBuildError("execute_async_v3 failed")
+
+    with pytest.raises(EngineBuildError):
+        graph_step(st, eager=fail, capture=lambda: pytest.fail("captured after a failed step"))
+    assert st.graph is None and (st.captures, st.replays) == (0, 0)
