@@ -94,6 +94,10 @@ def cmd_build(a: argparse.Namespace) -> int:
 def cmd_run(a: argparse.Namespace) -> int:
     engine = _load(a.artifact, a, a.threads)
     prompt: Any = [int(t) for t in a.prompt.split(",")] if a.ids else a.prompt
+    if a.chat or a.messages:  # the artifact's chat template, rendered as `kvexport serve` renders it
+        from kvexport.chat import run_chat_ids
+
+        prompt = run_chat_ids(engine, a.prompt, a.messages)
     stop = [int(s) if s.isdigit() else s for s in a.stop]
     n = 0
     t0 = time.perf_counter()
@@ -106,6 +110,14 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(file=sys.stdout)
     print(f"[{n} tokens in {dt:.2f}s]", file=sys.stderr)
     return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from kvexport.server import serve
+
+    return serve(a.artifact, host=a.host, port=a.port, max_batch=a.max_batch, max_queue=a.max_queue,
+                 prefill_chunk=a.prefill_chunk, threads=a.threads, model_name=a.model_name,
+                 load_options=_options(a.option))
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
@@ -240,11 +252,26 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop", action="append", default=[], help="stop string or token id (repeatable)")
+    s.add_argument("--chat", action="store_true", help="--prompt is a user message, rendered by the model's chat template")
+    s.add_argument("--messages", default=None, metavar="FILE.json",
+                   help="with --chat: earlier turns, a JSON list of {role, content}; --prompt is the next user message")
     s.add_argument("--no-rebuild", action="store_true",
                    help="fail instead of rebuilding when the engine was built for another device or SDK")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend load option")
     s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (docs/serving.md)")
+    s.add_argument("artifact")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (cache rows)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429")
+    s.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill step")
+    s.add_argument("--model-name", default=None, help="the model id the API reports (default: the artifact's name)")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend load option")
+    s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("verify", help="compare the engine with the PyTorch reference; writes verify.json")
     s.add_argument("artifact")
