@@ -3,23 +3,236 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from kvexport.errors import InputError, KvexportError
 
 
 class _Progress:
-    """Progress lines on stderr with the elapsed time, so long steps show they are alive."""
+    """Progress of a long step on stderr, with the elapsed time, so that it shows it is alive.
 
-    def __init__(self, quiet: bool = False):
-        self.t0, self.quiet = time.perf_counter(), quiet
+    Where stderr is a terminal: each finished step stays as a `[  12.3s] step` line and the current one
+    is a live line (spinner, step, pulsing bar, elapsed time). Elsewhere (pipes, logs, CI, tests): one
+    timestamped line per step, nothing else. `tty` and `file` force the choice and the stream (tests).
+    """
+
+    _open: list[_Progress] = []
+
+    def __init__(self, quiet: bool = False, *, tty: bool | None = None, file: TextIO | None = None):
+        self.t0, self.quiet, self.file = time.perf_counter(), quiet, file
+        self.tty = _is_terminal(file or sys.stderr) if tty is None else tty
+        self._bar: Any = None
+        self._task: Any = None
+        self._last: tuple[float, str] | None = None
 
     def __call__(self, msg: str) -> None:
-        if not self.quiet:
-            print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+        if self.quiet:
+            return
+        now = time.perf_counter() - self.t0
+        if not self.tty:
+            print(f"[{now:6.1f}s] {msg}", file=self.file or sys.stderr, flush=True)
+            return
+        if self._bar is None:
+            self._start()
+        self._finish_line()
+        self._last = (now, msg)
+        self._bar.update(self._task, description=msg)
+
+    def _start(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        console = Console(file=self.file or sys.stderr, force_terminal=True, highlight=False)
+        self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False),
+                             BarColumn(bar_width=24), TimeElapsedColumn(), console=console, transient=True,
+                             redirect_stdout=False, redirect_stderr=True, refresh_per_second=8)
+        self._bar.start()
+        self._task = self._bar.add_task("", total=None)  # no total: the bar pulses while the step runs
+        _Progress._open.append(self)
+
+    def _finish_line(self) -> None:
+        """The step that just ended, as the line a non-terminal run prints."""
+        if self._last is not None:
+            t, msg = self._last
+            self._bar.console.print(f"[{t:6.1f}s] {msg}", markup=False, highlight=False, soft_wrap=True)
+            self._last = None
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._finish_line()
+            self._bar.stop()
+            self._bar = None
+        if self in _Progress._open:
+            _Progress._open.remove(self)
+
+    @classmethod
+    def close_all(cls) -> None:
+        for p in list(cls._open):
+            p.close()
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty()) and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+class _Notices:
+    """The CLI's filter between libraries and the user (the library API keeps Python's usual warnings).
+
+    Python warnings are recorded instead of printed: kvexport's own ones become one `warning: ...`
+    line each, other libraries' one `notice:` line per kind (category and package), with the full text
+    in a log file. Output that native code and child processes write straight to the stderr file
+    descriptor (compilers, OpenVINO, torch's compile workers) goes to the same log. `--verbose` turns
+    all of this off and shows everything as it comes.
+    """
+
+    def __init__(self, command: str, verbose: bool):
+        self.command, self.verbose = command, verbose
+        self.records: list[tuple[str, str, str, str]] = []  # (category, origin, message, formatted)
+        self.log_path: Path | None = None
+        self._log: TextIO | None = None
+        self._saved_fd: int | None = None
+        self._saved_stderr: Any = None
+
+    def __enter__(self) -> _Notices:
+        if self.verbose:
+            return self
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.showwarning = self._record
+        if sys.stderr is sys.__stderr__ and _has_fd(sys.stderr):
+            try:
+                self._capture_fd()  # not when stderr is already redirected in-process (pytest's capsys)
+            except OSError:
+                pass  # no writable log folder: native output passes through, warnings are still summed up
+        return self
+
+    def _open_log(self) -> TextIO:
+        if self._log is None:
+            folder = Path(os.environ.get("KVEXPORT_LOG_DIR") or Path(tempfile.gettempdir()) / "kvexport-logs")
+            folder.mkdir(parents=True, exist_ok=True)
+            self.log_path = folder / f"{self.command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+            self._log = open(self.log_path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+        return self._log
+
+    def _capture_fd(self) -> None:
+        log = self._open_log()
+        sys.stderr.flush()
+        self._saved_fd = os.dup(2)
+        self._saved_stderr = sys.stderr
+        os.dup2(log.fileno(), 2)  # O_APPEND: the log's own writes and fd 2's interleave safely
+        sys.stderr = open(os.dup(self._saved_fd), "w", buffering=1, encoding=sys.__stderr__.encoding,  # noqa: SIM115
+                          errors="backslashreplace", closefd=True)
+
+    def _record(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                file: TextIO | None = None, line: str | None = None) -> None:
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+        origin = _origin(filename, category)
+        if _in_stdlib(filename):  # attributed to the standard library (copyreg, say): name the package that called it
+            frame = sys._getframe(1)
+            while frame is not None and (frame.f_code.co_filename, frame.f_lineno) != (filename, lineno):
+                frame = frame.f_back  # type: ignore[assignment]  # up to the frame the warning names
+            while frame is not None and _in_stdlib(frame.f_code.co_filename):
+                frame = frame.f_back  # type: ignore[assignment]
+            if frame is not None:
+                origin = _origin(frame.f_code.co_filename, category)
+        self.records.append((category.__name__, origin, " ".join(str(message).split()), text))
+        try:
+            self._open_log().write(text)
+        except OSError:
+            pass
+
+    def __exit__(self, *exc: object) -> None:
+        if self.verbose:
+            return
+        native = ""
+        if self._saved_fd is not None:
+            sys.stderr.flush()
+            os.dup2(self._saved_fd, 2)
+            os.close(self._saved_fd)
+            sys.stderr.close()
+            sys.stderr = self._saved_stderr
+            assert self._log is not None and self.log_path is not None
+            self._log.flush()
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                native = f.read()
+        self._catch.__exit__(None, None, None)
+        if self._log is not None:
+            self._log.close()
+        for line in self._summary(native):
+            print(line, file=sys.stderr)
+        if self.log_path is not None and not self.records and not native.strip():
+            self.log_path.unlink(missing_ok=True)  # nothing was said: leave no empty log behind
+
+    def _summary(self, log_text: str) -> list[str]:
+        """One line per kvexport warning; one per kind (category, package) of anyone else's."""
+        out: list[str] = []
+        kinds: dict[tuple[str, str], list[str]] = {}
+        for category, origin, message, _ in self.records:
+            if origin == "kvexport":
+                out.append(f"warning: {message}")
+            else:
+                kinds.setdefault((category, origin), []).append(message)
+        for _, _, _, text in self.records:  # what is left was written by native code or child processes
+            log_text = log_text.replace(text, "", 1)
+        other_lines, lines = 0, log_text.splitlines()
+        for i, ln in enumerate(lines):
+            m = re.match(r"^(\S+?):\d+: (\w+Warning): (.*)$", ln)  # a child process's Python warning
+            if m:
+                kinds.setdefault((m.group(2), _origin(m.group(1), Warning)), []).append(m.group(3))
+            elif ln.strip() and not (i and ln.startswith("  ") and re.match(r"^\S+?:\d+: \w+Warning: ", lines[i - 1])):
+                other_lines += 1
+        where = f"details in {self.log_path} or rerun with --verbose" if self._log else "rerun with --verbose for details"
+        for (category, origin), messages in sorted(kinds.items()):
+            n, first = len(messages), " ".join(messages[0].split())
+            first = first if len(first) <= 70 else first[:67] + "..."
+            out.append(f"notice: {n} {category}{'s' if n > 1 else ''} from {origin} ({first}); {where}")
+        if other_lines:
+            out.append(f"notice: {other_lines} line{'s' if other_lines > 1 else ''} of library output on stderr; {where}")
+        return out
+
+
+def _has_fd(stream: Any) -> bool:
+    try:
+        stream.fileno()
+        return True
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _in_stdlib(filename: str) -> bool:
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    return filename.startswith(stdlib) and "-packages" not in filename or filename.startswith("<frozen")
+
+
+def _origin(filename: str, category: type[Warning]) -> str:
+    """The package a warning came from: kvexport (and its backends), else the top-level package or module."""
+    if (category.__module__ or "").startswith("kvexport"):
+        return "kvexport"
+    parts = Path(filename).parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts and parts.index(marker) + 1 < len(parts):
+            top = parts[parts.index(marker) + 1]
+            return "kvexport" if top.startswith("kvexport") else Path(top).stem
+    here = Path(__file__).resolve().parents[1]  # a source checkout (pip install -e)
+    try:
+        rel = Path(filename).resolve().relative_to(here)
+        if rel.parts[0] in ("kvexport", "backends"):
+            return "kvexport"
+    except (ValueError, OSError, IndexError):
+        pass
+    return Path(filename).stem or "python"
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -212,6 +425,9 @@ def cmd_make_checkpoint(a: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvexport", description="Export decoder-only LLMs with an explicit KV cache "
                                 "and build engines for cpu, intel, nvidia and amd targets.")
+    verbose_help = ("show every warning and library message in full as it comes (by default they are summed up "
+                    "in one notice line each, with the details in a log file)")
+    p.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -285,7 +501,10 @@ def parser() -> argparse.ArgumentParser:
     common(s)
     s.set_defaults(fn=cmd_verify)
 
-    s = sub.add_parser("bench", help="BENCHMARKS.md protocol with same-run baselines; prints ratios")
+    s = sub.add_parser("bench", help="the protocol of docs/benchmarks.md, with same-run baselines; prints ratios",
+                       description="Time an artifact by the protocol of docs/benchmarks.md (greedy, batch 1, "
+                       "interleaved rounds) and print every figure as a ratio against baselines measured in the "
+                       "same run: the GEMV floor, read bandwidth, transformers, other artifacts.")
     s.add_argument("artifact")
     s.add_argument("--reference", default=None, help="HF checkpoint folder for the transformers baselines")
     s.add_argument("--compare", action="append", default=[], help="another artifact to time in the same run")
@@ -324,19 +543,29 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     s.add_argument("--shard-mb", type=float, default=None, help="split weights into shards of this size")
     s.set_defaults(fn=cmd_make_checkpoint)
+    for sp in sub.choices.values():
+        sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        return int(args.fn(args))
-    except KvexportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    with _Notices(args.command, getattr(args, "verbose", False)):
+        try:
+            return int(args.fn(args))
+        except KvexportError as e:
+            _Progress.close_all()
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt:
+            _Progress.close_all()
+            print("interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # `kvexport doctor | head`: the reader left; say nothing more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        finally:
+            _Progress.close_all()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -20,11 +21,17 @@ def kvx(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvexport", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def no_raw_warnings(r: subprocess.CompletedProcess[str]) -> bool:
+    """The CLI turns library warnings into `notice:` lines; no `path:line: SomeWarning:` or source line."""
+    return not re.search(r"^\S+:\d+: \w*Warning: |warnings\.warn\(", r.stdout + r.stderr, re.M)
+
+
 def test_build_intel_on_the_embedded_default_then_run(tmp_path: Path) -> None:
     out = tmp_path / "default-intel.kvx"
     r = kvx("build", "--target", "intel", "-o", str(out), "--max-seq", "256")
     assert r.returncode == 0, r.stderr
     assert "fused ScaledDotProductAttention" in r.stdout + r.stderr
+    assert no_raw_warnings(r), r.stderr
     from kvexport_intel import isa
 
     flags = isa.read_cpu_flags()
@@ -39,6 +46,7 @@ def test_build_intel_on_the_embedded_default_then_run(tmp_path: Path) -> None:
     assert m["verification"]["passed"] is True
     run = kvx("run", str(out), "--prompt", "hello", "--max-new-tokens", "5")
     assert run.returncode == 0, run.stderr
+    assert no_raw_warnings(run), run.stderr
 
 
 def test_doctor_shows_amx_numa_and_the_precision_it_would_pick() -> None:
