@@ -1,6 +1,6 @@
 """The architecture table: Hugging Face `model_type` -> config mapping + weight-name map.
 
-Adding a family is adding an entry here (and its tiny config in `kvexport.testing`), never a
+Adding a family is adding an entry here (and its tiny config in `kvexport/zoo.py`'s TINY_CONFIGS; see docs/adding-an-architecture.md), never a
 branch elsewhere. Canonical tensor names are those of `kvexport.decoder.Decoder`.
 """
 from __future__ import annotations
@@ -297,6 +297,6 @@ def map_config(raw: Mapping[str, Any]) -> DecoderConfig:
         raise UnsupportedFeatureError(
             "the checkpoint uses features kvexport does not support:\n  - "
             + "\n  - ".join(problems)
-            + "\nRun `kvexport export MODEL_DIR --check` to list every problem; see docs/architectures.md."
+            + "\nRun `kvexport export MODEL_DIR --check` to list every problem; see docs/adding-an-architecture.md."
         )
     return cfg

@@ -1,4 +1,4 @@
-"""`kvexport bench`: the BENCHMARKS.md protocol, every figure a ratio against baselines of the same run."""
+"""`kvexport bench`: the protocol of docs/benchmarks.md, every figure a ratio against baselines of the same run."""
 from __future__ import annotations
 
 import os

@@ -4,7 +4,7 @@
 
 For each model it runs `kvexport build --target amd` for the GPU (bf16 where supported, else fp16;
 verification against the transformers fp32 reference included), then, batch 1, 64 greedy tokens,
-prompts of 32 and 512 tokens (BENCHMARKS.md), decodes through the Engine twice on the same GPU:
+prompts of 32 and 512 tokens (docs/benchmarks.md), decodes through the Engine twice on the same GPU:
 with the decode step captured once as a HIP/CUDA graph and replayed per token, and with direct
 calls of the AOTInductor runner. It records decode tok/s of both (their ratio is the launch
 overhead the graph removes), time to first token, whether the two token streams agree, and that

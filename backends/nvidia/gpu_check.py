@@ -4,7 +4,7 @@
 
 For each model (the embedded default and bench-125m) it runs `kvexport build --target nvidia`
 (fp16, verification against the transformers fp32 reference included), then measures on the same
-GPU, batch 1, 64 new greedy tokens, prompts of 32 and 512 tokens (BENCHMARKS.md):
+GPU, batch 1, 64 new greedy tokens, prompts of 32 and 512 tokens (docs/benchmarks.md):
   - the TensorRT engine with CUDA-graph decode, and without it (eager execute_async_v3);
   - Hugging Face transformers eager fp16 on the GPU with its cache (the baseline);
   - greedy agreement of the engine's 64 tokens with transformers fp16's.
