@@ -111,12 +111,15 @@ def parse_params(body: Mapping[str, Any], *, chat: bool) -> Params:
     return_ids = body.get("return_token_ids", False)  # extension (as vLLM's): the choice lists its token ids
     if not isinstance(return_ids, bool):
         raise _bad("return_token_ids", "must be a boolean")
+    ignore_eos = body.get("ignore_eos", False)  # extension (as vLLM's): run to max_tokens (benchmarks)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("ignore_eos", "must be a boolean")
     if opts is not None and not stream:
         raise _bad("stream_options", "is only allowed when stream is true")
     return Params(max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
                   top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=_int(body, "top_k", 0, 0) or 0,
                   seed=seed, stop=stops, stream=stream, include_usage=include_usage,
-                  extra={"return_token_ids": return_ids})
+                  extra={"return_token_ids": return_ids, "ignore_eos": ignore_eos})
 
 
 def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -297,7 +300,7 @@ def create_app(scheduler: Scheduler, *, model_name: str, chat_template: Any = No
                            code="context_length_exceeded")
         try:
             return scheduler.submit(ids, max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                    seed=p.seed, stop=p.stop, sink=sink)
+                                    seed=p.seed, stop=p.stop, sink=sink, ignore_eos=p.extra.get("ignore_eos", False))
         except QueueFullError as e:
             raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e

@@ -262,10 +262,11 @@ class Scheduler:
     # --- submit ---------------------------------------------------------------------------------
     def submit(self, prompt: Any, max_tokens: int = 16, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[int | str] = (),
-               sink: Callable[[Event], None] | None = None) -> Request:
+               sink: Callable[[Event], None] | None = None, ignore_eos: bool = False) -> Request:
         """Queue a request; raises InputError / ContextOverflowError (bad or too long, before it is
         queued), QueueFullError, SchedulerClosedError. `sink` receives the Events on the scheduler's
-        thread (it must not block); without it, iterate the returned Request."""
+        thread (it must not block); without it, iterate the returned Request. ignore_eos: generate
+        max_tokens whatever the model says (benchmarks)."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InputError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         params = SamplingParams(float(temperature), int(top_k), float(top_p), seed)
@@ -275,7 +276,7 @@ class Scheduler:
             raise ContextOverflowError(
                 f"the request needs {need} cache slots (prompt {len(ids)} + max_tokens {max_tokens}) but this "
                 f"engine holds at most max_seq={self.max_seq}; shorten the prompt or lower max_tokens")
-        stop_ids = set(self.engine.eos_ids) | {int(s) for s in stop if isinstance(s, int)}
+        stop_ids = (set() if ignore_eos else set(self.engine.eos_ids)) | {int(s) for s in stop if isinstance(s, int)}
         stop_strings = [s for s in stop if isinstance(s, str) and s]
         req = Request(ids, max_tokens, params, stop_ids, stop_strings, sink)
         req._scheduler = self
