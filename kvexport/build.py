@@ -44,10 +44,10 @@ def build(
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="kvexport-default-") as tmp:
         if model_dir is None:
-            from kvexport.zoo import DEFAULT_MODEL, write_checkpoint
+            from kvexport.zoo import write_default
 
-            say("writing the embedded default model (seeded, byte-level tokenizer)")
-            model_dir = write_checkpoint(DEFAULT_MODEL, Path(tmp) / "kvx-default-llama", seed=0)
+            say("writing the embedded default model (trained on Python stdlib sources, byte-level tokenizer)")
+            model_dir = write_default(Path(tmp) / "kvx-default-llama")
         model_dir = Path(model_dir)
         staging = out.with_name(out.name + ".building")
         shutil.rmtree(staging, ignore_errors=True)

@@ -411,13 +411,13 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def cmd_make_checkpoint(a: argparse.Namespace) -> int:
     import torch
 
-    from kvexport.zoo import NAMED_MODELS, write_checkpoint
+    from kvexport.zoo import NAMED_MODELS, write_named
 
     if a.name not in NAMED_MODELS:
         raise InputError(f"unknown model name {a.name!r}; choose one of {', '.join(sorted(NAMED_MODELS))}")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
     shard = int(a.shard_mb * 2**20) if a.shard_mb else None
-    write_checkpoint(NAMED_MODELS[a.name], a.output, seed=a.seed, dtype=dtype, shard_bytes=shard)
+    write_named(a.name, a.output, seed=a.seed, dtype=dtype, shard_bytes=shard)
     print(f"wrote {a.output}")
     return 0
 
@@ -536,10 +536,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_doctor)
 
-    s = sub.add_parser("make-checkpoint", help="write a seeded random HF checkpoint (bench-125m, default, tiny-*)")
+    s = sub.add_parser("make-checkpoint", help="write an HF checkpoint: the trained default, or seeded random bench-125m, tiny-*")
     s.add_argument("name")
     s.add_argument("-o", "--output", required=True)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="random-init seed; for `default`, 0 is the trained model and any other seed random weights")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     s.add_argument("--shard-mb", type=float, default=None, help="split weights into shards of this size")
     s.set_defaults(fn=cmd_make_checkpoint)

@@ -1,12 +1,16 @@
-"""Seeded random-init Hugging Face checkpoints, written without network or `transformers`.
+"""Hugging Face checkpoints written without network or `transformers`.
 
-Tiny configs of every registered family (tests), `bench-125m` (benchmarks) and the embedded
-default model (`kvexport build` with no MODEL_DIR), each with a byte-level tokenizer.
+The embedded default model (`kvexport build` with no MODEL_DIR): a small Llama-style model trained
+on the Python standard library's sources, shipped in kvexport/default_model (see
+docs/default-model.md). Seeded random-init tiny configs of every registered family (tests) and
+`bench-125m` (benchmarks). Every checkpoint gets a byte-level tokenizer that decodes every id of
+its vocabulary to text.
 """
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +56,12 @@ BENCH_125M: dict[str, Any] = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
 
-# The embedded default: small enough to build in seconds, large enough to be a real decoder.
-DEFAULT_MODEL: dict[str, Any] = {
-    **_LLAMA_TINY, "model_type": "llama", "hidden_size": 128, "intermediate_size": 352,
-    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-    "max_position_embeddings": 1024, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-}
+# The embedded default: trained weights (kvexport/default_model), built in seconds.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+DEFAULT_MODEL: dict[str, Any] = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+DEFAULT_SEED = 0  # `make-checkpoint default --seed N` with any other N: random weights of the same shape
+HELDOUT_FILE = "heldout.txt"  # held-out text beside the default's weights (never trained on)
+_DEFAULT_FILES = ("tokenizer.json", "tokenizer_config.json", HELDOUT_FILE)
 
 NAMED_MODELS: dict[str, dict[str, Any]] = {
     "bench-125m": BENCH_125M,
@@ -79,21 +83,65 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def write_byte_tokenizer(out_dir: Path) -> None:
-    """tokenizer.json: one token per byte (ids 3..258) plus <pad>=0, <s>=1, </s>=2."""
+def _text_pieces() -> list[str]:
+    """Multi-byte text pieces (a byte-level BPE's tokens learned on stdlib sources), in merge order."""
+    data = json.loads((DEFAULT_MODEL_DIR / "pieces.json").read_text(encoding="utf-8"))
+    return list(data["pieces"])
+
+
+def extra_tokens(n: int) -> list[str]:
+    """n distinct multi-byte strings for ids 259.. : the learned pieces, then pairs of them.
+
+    Deterministic (no RNG): pair k joins piece i = k mod P and piece (k // P + 31 * i) mod P,
+    a distinct pair for every k < P * P.
+    """
+    pieces = _text_pieces()
+    out: list[str] = []
+    seen: set[str] = set()
+    for p in pieces:
+        if len(out) == n:
+            return out
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    k = 0
+    while len(out) < n:
+        if k >= len(pieces) ** 2:
+            raise ValueError(f"cannot make {n} distinct tokens from {len(pieces)} pieces")
+        i, r = k % len(pieces), k // len(pieces)
+        s = pieces[i] + pieces[(r + 31 * i) % len(pieces)]
+        k += 1
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+def write_tokenizer(out_dir: str | Path, vocab_size: int = BYTE_VOCAB) -> None:
+    """tokenizer.json covering ids [0, vocab_size): <pad>=0, <s>=1, </s>=2, one token per byte at
+    3..258, and above that multi-byte text pieces, so that every id the model emits decodes to
+    text. Text still encodes byte by byte (no merges): a prompt's ids are its bytes + 3."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+    out = Path(out_dir)
     b2u = _bytes_to_unicode()
     vocab = {s: i for i, s in enumerate(SPECIALS)}
     vocab.update({b2u[b]: len(SPECIALS) + b for b in range(256)})
+    for text in extra_tokens(max(0, vocab_size - BYTE_VOCAB)):
+        vocab["".join(b2u[b] for b in text.encode("utf-8"))] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIALS))
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
          "model_max_length": 1 << 20}, indent=2))
+
+
+def write_byte_tokenizer(out_dir: Path) -> None:
+    """The tokenizer of a 259-id vocabulary: specials and bytes only."""
+    write_tokenizer(out_dir, BYTE_VOCAB)
 
 
 def _split_sizes(cfg: DecoderConfig, canonical: str, n: int) -> list[int]:
@@ -140,7 +188,23 @@ def write_checkpoint(hf_config: dict[str, Any], out_dir: str | Path, *, seed: in
     _save_tensors(tensors, out, shard_bytes)
     cfg_out = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch."), "architectures": None}
     (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
-    write_byte_tokenizer(out)
+    write_tokenizer(out, int(cfg.vocab_size))
+    return out
+
+
+def write_default(out_dir: str | Path, *, dtype: torch.dtype = torch.float32,
+                  shard_bytes: int | None = None) -> Path:
+    """Copy the trained default model (weights, config, tokenizer, heldout.txt) into out_dir."""
+    from safetensors.torch import load_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to(dtype) for k, v in load_file(str(DEFAULT_MODEL_DIR / "model.safetensors")).items()}
+    _save_tensors(tensors, out, shard_bytes)
+    cfg_out = {**DEFAULT_MODEL, "torch_dtype": str(dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
+    for name in _DEFAULT_FILES:
+        shutil.copyfile(DEFAULT_MODEL_DIR / name, out / name)
     return out
 
 
@@ -166,10 +230,16 @@ def _save_tensors(tensors: dict[str, torch.Tensor], out: Path, shard_bytes: int 
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def write_named(name: str, out_dir: str | Path, *, seed: int = 0) -> Path:
-    """Write one of NAMED_MODELS (`bench-125m`, `default`, `tiny-llama`, ...)."""
+def write_named(name: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                shard_bytes: int | None = None) -> Path:
+    """Write one of NAMED_MODELS (`bench-125m`, `default`, `tiny-llama`, ...).
+
+    `default` with seed DEFAULT_SEED is the trained model; every other (name, seed) is seeded random init.
+    """
     if name not in NAMED_MODELS:
         from kvexport.errors import InputError
 
         raise InputError(f"unknown model name {name!r}; choose one of {', '.join(sorted(NAMED_MODELS))}")
-    return write_checkpoint(NAMED_MODELS[name], out_dir, seed=seed)
+    if name == "default" and seed == DEFAULT_SEED:
+        return write_default(out_dir, dtype=dtype, shard_bytes=shard_bytes)
+    return write_checkpoint(NAMED_MODELS[name], out_dir, seed=seed, dtype=dtype, shard_bytes=shard_bytes)
