@@ -156,3 +156,21 @@ def _compile(source: str) -> Any:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise InputError(f"the chat template does not compile: {e}") from e
+
+
+def run_chat_ids(engine: Any, prompt: str, history: str | Path | None = None) -> list[int]:
+    """`kvexport run --chat`: the earlier turns of `history` (a JSON file holding a list of
+    {role, content}, as the OpenAI API takes them) plus `prompt` as the user's next message."""
+    template = engine_template(engine)
+    if template is None:
+        raise InputError(f"{engine.folder} carries no chat template (the checkpoint had no chat_template in "
+                         "tokenizer_config.json and no chat_template.jinja); run without --chat")
+    messages: list[dict[str, Any]] = []
+    if history is not None:
+        try:
+            messages = json.loads(Path(history).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise InputError(f"--messages {history}: not a readable JSON file ({e})") from e
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise InputError(f"--messages {history} must hold a JSON list of {{role, content}} objects")
+    return encode_chat(engine, template, [*messages, {"role": "user", "content": prompt}])
