@@ -18,6 +18,8 @@ from kvexport.errors import CheckpointError, UnsupportedFeatureError, WeightShap
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
 INDEX_FILE = "model.safetensors.index.json"
+# a text the model was not trained on, shipped beside its weights: verify reports the perplexity change on it
+HELDOUT_FILE = "heldout.txt"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

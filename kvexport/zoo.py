@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvexport.architectures import get_arch, map_config
-from kvexport.checkpoint import INDEX_FILE, canonical_to_hf
+from kvexport.checkpoint import HELDOUT_FILE, INDEX_FILE, canonical_to_hf
 from kvexport.config import DecoderConfig
 from kvexport.decoder import Decoder
 
@@ -60,7 +60,6 @@ BENCH_125M: dict[str, Any] = {
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 DEFAULT_MODEL: dict[str, Any] = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
 DEFAULT_SEED = 0  # `make-checkpoint default --seed N` with any other N: random weights of the same shape
-HELDOUT_FILE = "heldout.txt"  # held-out text beside the default's weights (never trained on)
 _DEFAULT_FILES = ("tokenizer.json", "tokenizer_config.json", HELDOUT_FILE)
 
 NAMED_MODELS: dict[str, dict[str, Any]] = {

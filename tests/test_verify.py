@@ -223,3 +223,25 @@ def test_without_transformers_verify_refuses_unless_a_self_check_is_asked(
     import json
 
     assert json.loads((art / "verify.json").read_text())["reference"] == "kvexport-eager (self-check)"
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_cache_checks_stay_within_the_rows_an_engine_was_compiled_for(artifacts: dict, rows: int) -> None:
+    """An engine compiled for fewer rows than verify's three-row check (amd's --max-batch 2) is checked with
+    as many as it holds, instead of failing in verify after the whole build."""
+    import kvexport
+    from kvexport.verify import cache_checks
+
+    engine = kvexport.load(str(artifacts["llama"]))
+    engine.session.max_batch = rows  # what a batch-limited backend's session declares
+    real_prefill, widest = engine.prefill, []
+
+    def prefill(prompts, *a, **k):
+        widest.append(len(prompts) if prompts and isinstance(prompts[0], list) else 1)
+        return real_prefill(prompts, *a, **k)
+
+    engine.prefill = prefill
+    checks = cache_checks(engine, np.random.default_rng(0), lambda _m: None)
+    assert max(widest) == rows
+    assert ("batch_independence_max_abs" in checks) is (rows > 1)
+    assert all(v < 1e-4 for v in checks.values()), checks

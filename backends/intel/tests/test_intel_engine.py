@@ -12,7 +12,7 @@ import pytest
 import kvexport
 from kvexport.errors import ArtifactError, ContextOverflowError, InputError
 from kvexport.tolerances import tolerance
-from kvexport.verify import Reference, cache_checks, compare
+from kvexport.verify import Reference, cache_checks, compare, self_consistency_limit
 from kvexport.zoo import TINY_CONFIGS
 
 pytest.importorskip("openvino", reason="the intel target needs openvino (pip install 'kvexport[intel]')")
@@ -22,13 +22,6 @@ from kvexport_intel import IntelBackendWarning, isa, lowering  # noqa: E402
 # The precisions this CPU runs natively: fp32 everywhere, bf16 where AMX-BF16 or AVX512-BF16 exist.
 # Tests whose claim holds at any precision run at each; the automatic precision differs by CPU kind.
 HERE = ["fp32", "bf16"] if isa.has_bf16(isa.read_cpu_flags()) else ["fp32"]
-
-
-def self_consistency_limit(tol) -> float:
-    """What verify holds the engine-against-itself cache checks to at a precision."""
-    from kvexport import verify
-
-    return tol.max_abs_logit if np.isfinite(tol.max_abs_logit) else verify.LOW_PRECISION_SELF_LIMIT
 
 
 FAMILIES = sorted(TINY_CONFIGS)
