@@ -30,6 +30,8 @@ from typing import Any
 
 import httpx
 
+from kvexport.doctor import cpu_info
+
 WORDS = ("the model reads every weight once per token so batching rows costs little more than one row "
          "def main return import class self value result for while if else print list dict").split()
 
@@ -211,7 +213,7 @@ def main() -> int:
     log = Path(a.json or "serve_bench.json").with_suffix(".server.log")
     proc, url = start_server(a.artifact, a.threads, a.max_batch, 256, log)
     result: dict[str, Any] = {"artifact": a.artifact, "threads": a.threads, "max_batch": a.max_batch,
-                              "cpu": _cpu_name(), "cores": os.cpu_count()}
+                              "cpu": cpu_info()["model"], "cores": os.cpu_count()}
     try:
         if a.rounds:
             result["concurrency"] = concurrency(url, a.clients, a.tokens, a.rounds, a.prompt_words)
@@ -233,16 +235,6 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

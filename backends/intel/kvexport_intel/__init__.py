@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvexport.backends import Backend, BuildOptions, Capabilities, Progress
+from kvexport.doctor import cpu_info
 from kvexport.errors import ArtifactError, InputError, KvexportError
 from kvexport.manifest import Manifest
 from kvexport_intel import isa, numa
@@ -152,7 +153,7 @@ class IntelBackend(Backend):
                 "openvino": _openvino_version(),
                 **isa.fingerprint_isa(flags),
                 "precision_reason": reason,
-                "cpu": _cpu_model(),
+                "cpu": cpu_info()["model"],
                 "numa_nodes": len(numa.read_topology().nodes),
                 "fused_attention_layers": fused,
                 "runtime_ops": {k: ops[k] for k in ("ScaledDotProductAttention", "MemoryInput", "MemoryOutput", "Concatenation")},
@@ -257,16 +258,6 @@ def place(numa_node: Any, bind: bool) -> dict[str, Any]:
                           IntelBackendWarning, stacklevel=3)
     return {"node": node.id, "cpus": cpus, "threads": len(cpus), "process_pinned": True, "memory_bound": bound,
             "nodes": len(topo.nodes)}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 __all__ = ["IntelBackend", "IntelBackendWarning", "KV_ITEM_BYTES", "place"]
