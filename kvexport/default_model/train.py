@@ -194,7 +194,7 @@ def perplexity(model: Llama, ids: np.ndarray, window: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvexport.default_model.train", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(HERE), help="folder for the checkpoint (default: the package's own)")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-3)
