@@ -1,4 +1,4 @@
-"""The IR contract (DESIGN.md §2), run directly in ONNX Runtime with no kvexport runtime involved."""
+"""The IR contract (docs/design.md), run directly in ONNX Runtime with no kvexport runtime involved."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -70,10 +70,10 @@ def _source_strings() -> dict[str, str]:
 
 
 def test_the_checker_catches_a_bogus_path(tmp_path: Path) -> None:
-    text = ("see docs/no-such-page.md, BENCHMARKS.md, [a link](nowhere/else.md), backends/intel/missing.py;"
+    text = ("see docs/no-such-page.md, NO-SUCH-NOTES.md, [a link](nowhere/else.md), backends/intel/missing.py;"
             " fine: docs/design.md, [design](docs/design.md#adding-an-architecture), https://example.com/x.md,"
             " backends/NAME/kvexport_NAME/")
-    assert missing_paths(text) == ["BENCHMARKS.md", "backends/intel/missing.py", "docs/no-such-page.md",
+    assert missing_paths(text) == ["NO-SUCH-NOTES.md", "backends/intel/missing.py", "docs/no-such-page.md",
                                    "nowhere/else.md"]
 
 
