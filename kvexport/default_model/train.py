@@ -31,6 +31,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from kvexport.doctor import cpu_info  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 
 # The held-out text: stdlib files that are never trained on (their concatenation is heldout.txt).
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     save(model, c, Path(a.out), record={
         "command": "python -m kvexport.default_model.train", "options": {k: v for k, v in vars(a).items() if k != "out"},
         "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-        "processor": _cpu_name(), "threads": a.threads,
+        "processor": cpu_info()["model"], "threads": a.threads,
         "seed": a.seed, "steps": a.steps, "batch": a.batch, "seq": a.seq, "lr": a.lr, "warmup": a.warmup,
         "tokens_seen": a.steps * a.batch * a.seq, "parameters": n_params,
         "training_files": [p.name for p in files], "training_bytes": len(data),
@@ -262,16 +264,6 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_perplexity_per_byte": round(ppl, 4), "heldout_window": a.seq,
     })
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def save(model: Llama, c: dict, out: Path, record: dict) -> None:
