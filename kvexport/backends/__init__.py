@@ -38,7 +38,12 @@ class Capabilities:
 
 @dataclass
 class BuildOptions:
-    precision: str | None = None  # None: the backend's default for this device
+    precision: str | None = None  # None: the backend's default for this device (the weights' mode; see `weights`)
+    # The one precision vocabulary of every target (`kvexport build --weights/--group-size/--kv`).
+    # weights: fp32|fp16|bf16|int8|int4 (None: the backend's default; core resolves "auto" before build)
+    weights: str | None = None
+    group_size: int | None = None  # block size of int8/int4 weights (32|64|128); None: the backend's default
+    kv: str | None = None  # KV cache: fp32|fp16|bf16|int8 (None: fp32)
     max_batch: int = 8
     threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (numa_node, kv_precision, ...)
