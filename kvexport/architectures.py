@@ -11,6 +11,7 @@ from typing import Any
 
 from kvexport.config import Activation, DecoderConfig, RopeConfig
 from kvexport.errors import UnsupportedArchitectureError, UnsupportedFeatureError
+from kvexport.weightmap import GATE_UP, QKV, TRANSPOSE, WeightMap, layer_map, proj, tensor
 
 ACTIVATIONS: dict[str, Activation] = {
     "silu": "silu",
@@ -162,76 +163,44 @@ def _map_gpt2(r: ConfigReader) -> DecoderConfig:
     )
 
 
-@dataclass(frozen=True)
-class WeightMap:
-    """Where each canonical tensor comes from in the HF checkpoint.
-
-    `layer` values are HF names relative to `layer_prefix` (formatted with the layer index);
-    several sources are concatenated along dim 0 (q,k,v -> qkv_proj; gate,up -> gate_up).
-    `transposed` marks GPT-2 style Conv1D weights stored (in, out).
-    """
-
-    globals: Mapping[str, tuple[str, ...]]
-    layer_prefix: str
-    layer: Mapping[str, tuple[str, ...]]
-    prefixes: tuple[str, ...] = ("",)  # checkpoint may or may not carry the base-model prefix
-    transposed: bool = False
-    ignore_suffixes: tuple[str, ...] = ()  # non-parameter buffers some checkpoints carry
-
-    def transposes(self, canonical: str) -> bool:
-        """Conv1D layers store (in, out); embeddings and norms are never transposed."""
-        return self.transposed and canonical.startswith("layers.") and canonical.endswith(".weight") and "norm" not in canonical
-
-
-def _proj(*names: str) -> dict[str, tuple[str, ...]]:
-    return {"weight": tuple(f"{n}.weight" for n in names), "bias": tuple(f"{n}.bias" for n in names)}
-
-
-def _layer_map(entries: Mapping[str, dict[str, tuple[str, ...]]]) -> dict[str, tuple[str, ...]]:
-    return {f"{k}.{kind}": src for k, d in entries.items() for kind, src in d.items()}
-
-
-LLAMA_WEIGHTS = WeightMap(
-    globals={
-        "embed_tokens.weight": ("model.embed_tokens.weight",),
-        "norm.weight": ("model.norm.weight",),
-        "lm_head.weight": ("lm_head.weight",),
-    },
-    layer_prefix="model.layers.{i}.",
-    layer=_layer_map(
-        {
-            "attn_norm": {"weight": ("input_layernorm.weight",)},
-            "attn.qkv_proj": _proj("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "attn.o_proj": _proj("self_attn.o_proj"),
-            "mlp_norm": {"weight": ("post_attention_layernorm.weight",)},
-            "mlp.gate_up_proj": _proj("mlp.gate_proj", "mlp.up_proj"),
-            "mlp.down_proj": _proj("mlp.down_proj"),
-        }
-    ),
-    ignore_suffixes=("rotary_emb.inv_freq",),
+LLAMA_LAYER = layer_map(
+    {
+        "attn_norm": {"weight": tensor("input_layernorm.weight")},
+        "attn.qkv_proj": proj("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", transform=QKV),
+        "attn.o_proj": proj("self_attn.o_proj"),
+        "mlp_norm": {"weight": tensor("post_attention_layernorm.weight")},
+        "mlp.gate_up_proj": proj("mlp.gate_proj", "mlp.up_proj", transform=GATE_UP),
+        "mlp.down_proj": proj("mlp.down_proj"),
+    }
 )
+LLAMA_GLOBALS = {
+    "embed_tokens.weight": tensor("model.embed_tokens.weight"),
+    "norm.weight": tensor("model.norm.weight"),
+    "norm.bias": tensor("model.norm.bias"),
+    "lm_head.weight": tensor("lm_head.weight"),
+}
+LLAMA_WEIGHTS = WeightMap(LLAMA_GLOBALS, "model.layers.{i}.", LLAMA_LAYER, ignore_suffixes=("rotary_emb.inv_freq",))
 
 GPT2_WEIGHTS = WeightMap(
     globals={
-        "embed_tokens.weight": ("wte.weight",),
-        "embed_positions.weight": ("wpe.weight",),
-        "norm.weight": ("ln_f.weight",),
-        "norm.bias": ("ln_f.bias",),
-        "lm_head.weight": ("lm_head.weight",),
+        "embed_tokens.weight": tensor("wte.weight"),
+        "embed_positions.weight": tensor("wpe.weight"),
+        "norm.weight": tensor("ln_f.weight"),
+        "norm.bias": tensor("ln_f.bias"),
+        "lm_head.weight": tensor("lm_head.weight"),
     },
     layer_prefix="h.{i}.",
-    layer=_layer_map(
+    layer=layer_map(
         {
-            "attn_norm": _proj("ln_1"),
-            "attn.qkv_proj": _proj("attn.c_attn"),
-            "attn.o_proj": _proj("attn.c_proj"),
-            "mlp_norm": _proj("ln_2"),
-            "mlp.gate_up_proj": _proj("mlp.c_fc"),
-            "mlp.down_proj": _proj("mlp.c_proj"),
+            "attn_norm": proj("ln_1"),
+            "attn.qkv_proj": proj("attn.c_attn", weight=TRANSPOSE),  # Conv1D: (in, out)
+            "attn.o_proj": proj("attn.c_proj", weight=TRANSPOSE),
+            "mlp_norm": proj("ln_2"),
+            "mlp.gate_up_proj": proj("mlp.c_fc", weight=TRANSPOSE),
+            "mlp.down_proj": proj("mlp.c_proj", weight=TRANSPOSE),
         }
     ),
     prefixes=("transformer.", ""),
-    transposed=True,
     ignore_suffixes=("attn.bias", "attn.masked_bias"),
 )
 

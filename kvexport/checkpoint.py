@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvexport.architectures import WeightMap, get_arch, map_config
+from kvexport.architectures import get_arch, map_config
 from kvexport.config import DecoderConfig
 from kvexport.decoder import Decoder
+from kvexport.weightmap import WeightMap
 from kvexport.errors import CheckpointError, UnsupportedFeatureError, WeightShapeError
 
 # chat_template.jinja: the chat template where the checkpoint keeps it outside tokenizer_config.json
@@ -110,22 +111,6 @@ def _resolve(index: _TensorIndex, wm: WeightMap, name: str) -> str | None:
     return None
 
 
-def _canonical_sources(wm: WeightMap, canonical: str) -> tuple[str, ...] | None:
-    if canonical.startswith("layers."):
-        _, i, rest = canonical.split(".", 2)
-        src = wm.layer.get(rest)
-        return None if src is None else tuple(wm.layer_prefix.format(i=i) + s for s in src)
-    return wm.globals.get(canonical)
-
-
-def canonical_to_hf(wm: WeightMap, canonical: str) -> tuple[str, ...]:
-    """HF names (without optional prefix) that make up one canonical tensor."""
-    src = _canonical_sources(wm, canonical)
-    if src is None:
-        raise KeyError(canonical)
-    return src
-
-
 def load_checkpoint(model_dir: str | Path, max_seq: int | None = None, dtype: torch.dtype = torch.float32,
                     *, hash_sources: bool = True, **decoder_kwargs) -> Checkpoint:
     """Read config.json and safetensors shards into a Decoder; every problem raises a typed error."""
@@ -148,17 +133,17 @@ def load_checkpoint(model_dir: str | Path, max_seq: int | None = None, dtype: to
         used: set[str] = set()
         missing: list[str] = []
         for canonical, param in decoder.named_parameters():  # tied lm_head appears once, as embed_tokens
-            sources = canonical_to_hf(wm, canonical)
-            resolved = [_resolve(index, wm, s) for s in sources]
+            source = wm.source(canonical)
+            resolved = [_resolve(index, wm, s) for s in source.names]
             if any(r is None for r in resolved):
-                missing += [s for s, r in zip(sources, resolved) if r is None]
+                missing += [s for s, r in zip(source.names, resolved) if r is None]
                 continue
-            parts = []
-            for r in resolved:
-                t = index.get(r)  # type: ignore[arg-type]
-                parts.append(t.t() if wm.transposes(canonical) else t)
-                used.add(r)  # type: ignore[arg-type]
-            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            parts = [index.get(r) for r in resolved]  # type: ignore[arg-type]
+            used.update(resolved)  # type: ignore[arg-type]
+            try:
+                t = source.transform.load(parts, cfg)
+            except RuntimeError:  # parts that do not concatenate or reshape: reported as a shape mismatch below
+                t = torch.empty(0)
             if tuple(t.shape) != tuple(param.shape):
                 shapes = ", ".join(f"{r} {tuple(index.get(r).shape)}" for r in resolved)  # type: ignore[arg-type]
                 raise WeightShapeError(
@@ -184,9 +169,6 @@ def load_checkpoint(model_dir: str | Path, max_seq: int | None = None, dtype: to
             + (" ..." if len(unused) > 8 else "")
             + "; they belong to a feature kvexport does not model, so the export would be wrong"
         )
-    for name, t in state.items():
-        if name.endswith("norm.weight") and cfg.norm_offset:
-            state[name] = t + cfg.norm_offset
     decoder = decoder.to_empty(device="cpu")
     decoder.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:

@@ -10,7 +10,9 @@ NormKind = Literal["rms", "layer"]
 PositionKind = Literal["rope", "learned"]
 MlpKind = Literal["gated", "plain"]
 Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
-RopeType = Literal["default", "linear", "llama3"]
+RopeType = Literal["default", "linear", "llama3", "longrope"]
+NormPosition = Literal["pre", "post"]  # pre: x + f(norm(x)) (Llama); post: x + norm(f(x)) (OLMo 2)
+QKNorm = Literal["none", "head", "projection"]  # RMSNorm of q and k: per head (Qwen3) or whole projection (OLMo 2)
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3): per-frequency divisors below / from original_max_position_embeddings, and
+    # the factor cos and sin are multiplied by
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,8 @@ class DecoderConfig:
     max_position_embeddings: int
     norm_kind: NormKind = "rms"
     norm_eps: float = 1e-6
-    norm_offset: float = 0.0  # Gemma-style (1 + w) scale, folded into the weight at load
+    norm_position: NormPosition = "pre"
+    qk_norm: QKNorm = "none"
     position_kind: PositionKind = "rope"
     rope: RopeConfig = field(default_factory=RopeConfig)
     rotary_dim: int = 0  # 0 means the whole head_dim
@@ -51,8 +59,9 @@ class DecoderConfig:
     tie_word_embeddings: bool = False
     parallel_residual: bool = False
     sliding_window: int | None = None
-    final_logit_softcap: float | None = None
-    embedding_scale: float | None = None
+    embedding_scale: float | None = None  # embeddings times this (Granite's embedding_multiplier)
+    residual_scale: float | None = None  # each block's branch times this before the residual add (Granite)
+    logit_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
     attention_scale: float | None = None  # None: 1/sqrt(head_dim)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -82,7 +91,10 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DecoderConfig:
         d = dict(d)
-        d["rope"] = RopeConfig(**d.get("rope", {}))
+        rope = dict(d.get("rope", {}))
+        for k in ("short_factor", "long_factor"):
+            rope[k] = tuple(rope.get(k, ()))
+        d["rope"] = RopeConfig(**rope)
         d["eos_token_id"] = tuple(d.get("eos_token_id", ()))
         return cls(**d)
 

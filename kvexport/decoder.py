@@ -1,14 +1,17 @@
 """The owned canonical decoder: embedding -> N blocks (norm, attention, MLP) -> norm -> lm_head.
 
-Every family is this module with different `DecoderConfig` data. Two op flavours:
-`onnx_ops=True` emits the ONNX-native ops the IR contract names (RotaryEmbedding, TensorScatter,
-Attention); `onnx_ops=False` is plain torch (for eager use and torch.export/AOTInductor).
-Both compute the same function; tests hold them to each other and to `transformers`.
+Every family is this module with different `DecoderConfig` data. How a layer applies RoPE, writes
+its cache and attends is one strategy object (`KVStep`) the decoder hands every layer: static
+ONNX ops (RotaryEmbedding, TensorScatter, Attention: what the IR contract names), static torch,
+static torch in place (AOTInductor), and concat in either op set. All compute the same function;
+tests hold them to each other and to `transformers`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Literal
+from collections.abc import Callable, Iterator
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +39,7 @@ def write_rows_inplace(cache: Tensor, update: Tensor, write_index: Tensor) -> Te
     """The same write, into `cache` itself (returned): cache[b, :, write_index[b] + s] = update[b, :, s].
 
     torch.export traces it as index_put on the graph input, which AOTInductor keeps in place
-    (the functional scatter compiles to whole-cache copies). Selected by Decoder(inplace_cache=True).
+    (the functional scatter compiles to whole-cache copies). The IN_PLACE strategy.
     """
     B, H, S, D = update.shape
     rows = write_index[:, None] + torch.arange(S, device=update.device)[None, :]  # (B, S)
@@ -57,13 +60,18 @@ def _tensor_scatter_fake(cache: Tensor, update: Tensor, write_index: Tensor) -> 
 
 
 # --- rotary ---------------------------------------------------------------------------------
-def rope_inv_freq(cfg: DecoderConfig) -> Tensor:
-    """Inverse frequencies (rot/2,) in float64, with the config's scaling applied."""
+def rope_inv_freq(cfg: DecoderConfig, *, long: bool = False) -> Tensor:
+    """Inverse frequencies (rot/2,) in float64, with the config's scaling applied.
+
+    longrope divides them by its short factors, or by its long ones where `long` (positions from
+    original_max_position_embeddings on)."""
     rot = cfg.effective_rotary_dim
     rope = cfg.rope
     inv = 1.0 / (rope.theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     if rope.type == "linear":
         inv = inv / rope.factor
+    elif rope.type == "longrope":
+        inv = inv / torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float64)
     elif rope.type == "llama3":
         old = rope.original_max_position_embeddings
         low_wavelen = old / rope.low_freq_factor
@@ -78,9 +86,19 @@ def rope_inv_freq(cfg: DecoderConfig) -> Tensor:
 
 
 def rope_tables(cfg: DecoderConfig, max_seq: int) -> tuple[Tensor, Tensor]:
-    """cos, sin tables (max_seq, rot/2), float32: the 2-D form RotaryEmbedding-23 takes."""
-    freqs = torch.outer(torch.arange(max_seq, dtype=torch.float64), rope_inv_freq(cfg))
-    return freqs.cos().float(), freqs.sin().float()
+    """cos, sin tables (max_seq, rot/2), float32: the 2-D form RotaryEmbedding-23 takes.
+
+    Each row is its position's angles. longrope's rows from original_max_position_embeddings on use
+    the long factors, which is what transformers applies to a token at that position when it
+    decodes with a cache (its uncached forward of a longer text switches every row)."""
+    pos = torch.arange(max_seq, dtype=torch.float64)[:, None]  # (max_seq, 1)
+    inv = rope_inv_freq(cfg)[None, :]  # (1, rot/2)
+    if cfg.rope.type == "longrope":
+        long = pos >= cfg.rope.original_max_position_embeddings
+        inv = torch.where(long, rope_inv_freq(cfg, long=True)[None, :], inv)  # (max_seq, rot/2)
+    freqs = pos * inv
+    a = cfg.rope.attention_factor
+    return (freqs.cos() * a).float(), (freqs.sin() * a).float()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, num_heads: int, rot: int) -> Tensor:
@@ -95,19 +113,168 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, num_he
     return out.reshape(B, S, -1)
 
 
+# --- how a layer writes its cache and attends: one strategy, handed to every layer -----------------
+class Step(NamedTuple):
+    """What every layer of one forward call shares."""
+
+    position_ids: Tensor  # (B, S) absolute positions
+    write_index: Tensor | None  # (B,) first cache slot written (static styles); None for concat
+    mask: Tensor  # (B, 1, S, cache_len) static, (B, 1, S, P+S) concat; True = attend
+    cos: Tensor | None  # (max_seq, rot/2) rope tables; None for learned positions
+    sin: Tensor | None
+    kv: KVStep
+
+
+class KVStep:
+    """How a layer applies RoPE, writes its cache and attends. Subclasses fix the op set and cache style."""
+
+    style: ClassVar[CacheStyle]
+
+    def split(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor, tuple[Tensor, ...]]:
+        """The decoder's inputs after position_ids -> (write_index or None, mask, past caches)."""
+        raise NotImplementedError
+
+    def rope(self, x: Tensor, step: Step, num_heads: int, rot: int) -> Tensor:
+        """x (B, S, H*D) -> the same with RoPE on the first `rot` dims of every head."""
+        raise NotImplementedError
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
+               cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H_q, S, D), new k/v (B, H_kv, S, D) -> y (B, H_q, S, D) and the layer's present k, v."""
+        raise NotImplementedError
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: DecoderConfig) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.scale, enable_gqa=True)
+
+
+class _Static(KVStep):
+    style = "static"
+
+    def split(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor, tuple[Tensor, ...]]:
+        return inputs[0], inputs[1], inputs[2:]
+
+
+class _Concat(KVStep):
+    style = "concat"
+
+    def split(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor, tuple[Tensor, ...]]:
+        return None, inputs[0], inputs[1:]
+
+
+class _TorchRope(KVStep):
+    def rope(self, x: Tensor, step: Step, num_heads: int, rot: int) -> Tensor:
+        return apply_rope(x, step.cos, step.sin, step.position_ids, num_heads, rot)  # type: ignore[arg-type]
+
+
+class _OnnxRope(KVStep):
+    def rope(self, x: Tensor, step: Step, num_heads: int, rot: int) -> Tensor:
+        rot_attr = 0 if rot * num_heads == x.shape[-1] else rot  # 0: the whole head
+        return onnx_ops.rotary_embedding(x, step.cos, step.sin, step.position_ids, num_heads=num_heads,
+                                         rotary_embedding_dim=rot_attr)
+
+
+class StaticTorch(_Static, _TorchRope):
+    """Functional scatter into the whole preallocated cache, then SDPA over it (eager, torch.export)."""
+
+    write = staticmethod(scatter_rows)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
+               cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
+        k_all = self.write(past_k, k, step.write_index)  # (B, H_kv, L, D): the whole cache
+        v_all = self.write(past_v, v, step.write_index)
+        return _sdpa(q, k_all, v_all, step.mask, cfg), k_all, v_all
+
+
+class InPlaceTorch(StaticTorch):
+    """StaticTorch writing into the past tensors themselves (AOTInductor keeps them in place)."""
+
+    write = staticmethod(write_rows_inplace)
+
+
+class StaticOnnx(_Static, _OnnxRope):
+    """TensorScatter-24 into the cache, Attention-24 over it: the IR contract's static graph."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
+               cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
+        k_all = tensor_scatter(past_k, k, step.write_index)  # (B, H_kv, L, D)
+        v_all = tensor_scatter(past_v, v, step.write_index)
+        y = onnx_ops.attention(q, k_all, v_all, step.mask, q_num_heads=cfg.num_attention_heads,
+                               kv_num_heads=cfg.num_key_value_heads, scale=cfg.scale)[0]
+        return y, k_all, v_all
+
+
+class ConcatTorch(_Concat, _TorchRope):
+    """present = cat(past, new) along the sequence: (B, H_kv, P, D) -> (B, H_kv, P+S, D)."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
+               cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
+        k_all = torch.cat([past_k, k], dim=2)  # (B, H_kv, P+S, D)
+        v_all = torch.cat([past_v, v], dim=2)
+        return _sdpa(q, k_all, v_all, step.mask, cfg), k_all, v_all
+
+
+class ConcatOnnx(_Concat, _OnnxRope):
+    """The concat style through Attention-24's own past/present inputs and outputs."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
+               cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
+        y, k_all, v_all, _ = onnx_ops.attention(q, k, v, step.mask, past_k, past_v, q_num_heads=cfg.num_attention_heads,
+                                                kv_num_heads=cfg.num_key_value_heads, scale=cfg.scale)
+        return y, k_all, v_all
+
+
+STATIC_TORCH, IN_PLACE, STATIC_ONNX = StaticTorch(), InPlaceTorch(), StaticOnnx()
+CONCAT_TORCH, CONCAT_ONNX = ConcatTorch(), ConcatOnnx()
+_KV_STEPS: dict[tuple[CacheStyle, bool], KVStep] = {
+    ("static", False): STATIC_TORCH, ("static", True): STATIC_ONNX,
+    ("concat", False): CONCAT_TORCH, ("concat", True): CONCAT_ONNX,
+}
+
+
+def kv_step(style: CacheStyle, *, onnx_ops: bool = False) -> KVStep:
+    """The strategy for a cache style in ONNX ops (export) or plain torch."""
+    return _KV_STEPS[style, onnx_ops]
+
+
 # --- modules --------------------------------------------------------------------------------
 class Norm(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    """RMSNorm or LayerNorm over the last dim, of width `width`."""
+
+    def __init__(self, width: int, kind: str, eps: float):
         super().__init__()
-        self.kind, self.eps = cfg.norm_kind, cfg.norm_eps
-        self.weight = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.norm_kind == "layer" else None
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(width))
+        self.bias = nn.Parameter(torch.zeros(width)) if kind == "layer" else None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kind == "rms":
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
+
+class HeadNorm(Norm):
+    """One RMSNorm of width head_dim applied to every head of x (B, S, H*D) (Qwen3's q/k norm)."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float):
+        super().__init__(head_dim, "rms", eps)
+        self.heads = heads
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        return super().forward(x.view(B, S, self.heads, -1)).view(B, S, -1)  # (B, S, H, D) -> (B, S, H*D)
+
+
+def block_norm(cfg: DecoderConfig) -> Norm:
+    return Norm(cfg.hidden_size, cfg.norm_kind, cfg.norm_eps)
+
+
+QK_NORMS: dict[str, Callable[[DecoderConfig], tuple[nn.Module, nn.Module]]] = {
+    "none": lambda cfg: (nn.Identity(), nn.Identity()),
+    "head": lambda cfg: (HeadNorm(cfg.num_attention_heads, cfg.head_dim, cfg.norm_eps),
+                         HeadNorm(cfg.num_key_value_heads, cfg.head_dim, cfg.norm_eps)),
+    "projection": lambda cfg: (Norm(cfg.q_size, "rms", cfg.norm_eps), Norm(cfg.kv_size, "rms", cfg.norm_eps)),
+}
 
 ACTIVATION_FNS = {
     "silu": F.silu,
@@ -137,54 +304,28 @@ class Mlp(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, owner: Decoder):
+    def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.q_norm, self.k_norm = QK_NORMS[cfg.qk_norm](cfg)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self._owner = [owner]  # list: not a submodule, just a back-reference for the mode flags
+        self.rot = cfg.effective_rotary_dim if cfg.position_kind == "rope" else 0
 
-    def forward(
-        self, x: Tensor, position_ids: Tensor, write_index: Tensor | None, mask: Tensor, past_k: Tensor, past_v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        cfg, owner = self.cfg, self._owner[0]
-        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        q, k, v = self.project(x, position_ids)
-        if owner.cache_style == "static":
-            assert write_index is not None
-            write = tensor_scatter if owner.onnx_ops else write_rows_inplace if owner.inplace_cache else scatter_rows
-            k_all = write(past_k, k, write_index)  # (B, H_kv, L, D): the whole cache
-            v_all = write(past_v, v, write_index)
-            if owner.onnx_ops:
-                y = onnx_ops.attention(q, k_all, v_all, mask, q_num_heads=Hq, kv_num_heads=Hkv, scale=cfg.scale)[0]
-            else:
-                y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=cfg.scale, enable_gqa=True)
-        elif owner.onnx_ops:
-            # concat style through Attention's own past/present: (B, H_kv, P, D) -> (B, H_kv, P+S, D)
-            y, k_all, v_all, _ = onnx_ops.attention(
-                q, k, v, mask, past_k, past_v, q_num_heads=Hq, kv_num_heads=Hkv, scale=cfg.scale
-            )
-        else:
-            k_all = torch.cat([past_k, k], dim=2)  # (B, H_kv, P+S, D)
-            v_all = torch.cat([past_v, v], dim=2)
-            y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=cfg.scale, enable_gqa=True)
+    def forward(self, x: Tensor, step: Step, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.project(x, step)
+        y, k_all, v_all = step.kv.attend(q, k, v, step, past_k, past_v, self.cfg)
         return self.output(y), k_all, v_all
 
-    def project(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, S, hidden) -> q (B, H_q, S, D), k and v (B, H_kv, S, D), RoPE applied."""
-        cfg, owner = self.cfg, self._owner[0]
+    def project(self, x: Tensor, step: Step) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, S, hidden) -> q (B, H_q, S, D), k and v (B, H_kv, S, D); q/k norm, then RoPE."""
+        cfg = self.cfg
         B, S, _ = x.shape
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)  # (B, S, H*D)
-        if cfg.position_kind == "rope":
-            rot = cfg.effective_rotary_dim
-            if owner.onnx_ops:
-                rot_attr = 0 if rot == D else rot
-                q = onnx_ops.rotary_embedding(q, owner.rope_cos, owner.rope_sin, position_ids, num_heads=Hq, rotary_embedding_dim=rot_attr)
-                k = onnx_ops.rotary_embedding(k, owner.rope_cos, owner.rope_sin, position_ids, num_heads=Hkv, rotary_embedding_dim=rot_attr)
-            else:
-                q = apply_rope(q, owner.rope_cos, owner.rope_sin, position_ids, Hq, rot)
-                k = apply_rope(k, owner.rope_cos, owner.rope_sin, position_ids, Hkv, rot)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.rot:
+            q, k = step.kv.rope(q, step, Hq, self.rot), step.kv.rope(k, step, Hkv, self.rot)
         q = q.view(B, S, Hq, D).transpose(1, 2)  # (B, H_q, S, D)
         k = k.view(B, S, Hkv, D).transpose(1, 2)  # (B, H_kv, S, D)
         v = v.view(B, S, Hkv, D).transpose(1, 2)  # (B, H_kv, S, D)
@@ -197,24 +338,36 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig, owner: Decoder):
-        super().__init__()
-        self.parallel = cfg.parallel_residual
-        self.attn_norm = Norm(cfg)
-        self.attn = Attention(cfg, owner)
-        self.mlp_norm = Norm(cfg)
-        self.mlp = Mlp(cfg)
+    """Pre-norm: x + f(norm(x)); post-norm (OLMo 2): x + norm(f(x)); parallel (GPT-NeoX): x + attn + mlp."""
 
-    def forward(self, x: Tensor, position_ids: Tensor, write_index: Tensor | None, mask: Tensor, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        a, k, v = self.attn(self.attn_norm(x), position_ids, write_index, mask, past_k, past_v)
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        pre = cfg.norm_position == "pre"
+        self.parallel, self.residual_scale = cfg.parallel_residual, cfg.residual_scale
+        self.attn_norm = block_norm(cfg) if pre else nn.Identity()
+        self.attn = Attention(cfg)
+        self.post_attn_norm = nn.Identity() if pre else block_norm(cfg)
+        self.mlp_norm = block_norm(cfg) if pre else nn.Identity()
+        self.mlp = Mlp(cfg)
+        self.post_mlp_norm = nn.Identity() if pre else block_norm(cfg)
+
+    def forward(self, x: Tensor, step: Step, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        a, k, v = self.attn(self.attn_norm(x), step, past_k, past_v)
         return self.combine(x, a), k, v
 
     def combine(self, x: Tensor, a: Tensor) -> Tensor:
         """The residual stream after this block, given its attention output `a`."""
+        a = self.branch(self.post_attn_norm(a))
         if self.parallel:
-            return x + a + self.mlp(self.mlp_norm(x))
+            return x + a + self.feed_forward(x)
         h = x + a
-        return h + self.mlp(self.mlp_norm(h))
+        return h + self.feed_forward(h)
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        return self.branch(self.post_mlp_norm(self.mlp(self.mlp_norm(x))))
+
+    def branch(self, y: Tensor) -> Tensor:
+        return y if self.residual_scale is None else y * self.residual_scale
 
 
 class Decoder(nn.Module):
@@ -222,23 +375,14 @@ class Decoder(nn.Module):
 
     Static style: past/present are (B, H_kv, cache_len, D) and write_index (B,) says where the
     new rows go; the concat style drops write_index and grows the cache by S each call.
-    past/present alternate key, value per layer.
+    past/present alternate key, value per layer: the graph's inputs and outputs, one tensor each.
+    `kv` (a KVStep) decides the op set and cache style; `configured` switches it for a while.
     """
 
-    def __init__(
-        self,
-        cfg: DecoderConfig,
-        max_seq: int,
-        *,
-        cache_style: CacheStyle = "static",
-        last_token_only: bool = False,
-        onnx_ops: bool = False,
-        inplace_cache: bool = False,
-    ):
+    def __init__(self, cfg: DecoderConfig, max_seq: int, *, kv: KVStep = STATIC_TORCH, last_token_only: bool = False):
         super().__init__()
         self.cfg, self.max_seq = cfg, max_seq
-        self.cache_style, self.last_token_only, self.onnx_ops = cache_style, last_token_only, onnx_ops
-        self.inplace_cache = inplace_cache  # static torch path: mutate past instead of returning new tensors
+        self.kv, self.last_token_only = kv, last_token_only
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         if cfg.position_kind == "learned":
             self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
@@ -246,24 +390,43 @@ class Decoder(nn.Module):
             cos, sin = rope_tables(cfg, max_seq)
             self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq, rot/2)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.layers = nn.ModuleList(Block(cfg, self) for _ in range(cfg.num_hidden_layers))
-        self.norm = Norm(cfg)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = block_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def cache_style(self) -> CacheStyle:
+        return self.kv.style
+
+    @contextlib.contextmanager
+    def configured(self, *, kv: KVStep | None = None, last_token_only: bool | None = None) -> Iterator[Decoder]:
+        """Use another strategy (and logits width) inside the block; the previous ones come back after it."""
+        saved = self.kv, self.last_token_only
+        try:
+            self.kv = saved[0] if kv is None else kv
+            self.last_token_only = saved[1] if last_token_only is None else last_token_only
+            yield self
+        finally:
+            self.kv, self.last_token_only = saved
+
     def cache_shape(self, batch: int, cache_len: int) -> tuple[int, int, int, int]:
         return (batch, self.cfg.num_key_value_heads, cache_len, self.cfg.head_dim)  # BHSD
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
-        if self.cache_style == "static":
-            write_index, mask, past = rest[0], rest[1], rest[2:]
-        else:
-            write_index, mask, past = None, rest[0], rest[1:]
-        x = self.embed(input_ids, position_ids)
+    def forward(self, input_ids: Tensor, position_ids: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
+        write_index, mask, past = self.kv.split(inputs)
+        return self.decode(input_ids, self.step(position_ids, write_index, mask, self.kv), past)
+
+    def step(self, position_ids: Tensor, write_index: Tensor | None, mask: Tensor, kv: KVStep) -> Step:
+        return Step(position_ids, write_index, mask, getattr(self, "rope_cos", None), getattr(self, "rope_sin", None), kv)
+
+    def decode(self, input_ids: Tensor, step: Step, past: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """(logits, *presents) for input_ids (B, S) given one step's shared inputs and the past caches."""
+        x = self.embed(input_ids, step.position_ids)
         presents: list[Tensor] = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, position_ids, write_index, mask, past[2 * i], past[2 * i + 1])
+            x, k, v = layer(x, step, past[2 * i], past[2 * i + 1])
             presents += [k, v]
         return (self.head(x), *presents)
 
@@ -279,11 +442,10 @@ class Decoder(nn.Module):
 
     def head(self, x: Tensor) -> Tensor:
         """Final norm and lm_head: (B, S, hidden) -> logits (B, S or 1, vocab)."""
-        cfg = self.cfg
         x = self.norm(x)
         if self.last_token_only:
             x = x[:, -1:, :]  # (B, 1, hidden)
         logits = self.lm_head(x)
-        if cfg.final_logit_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        if self.cfg.logit_divisor is not None:
+            logits = logits / self.cfg.logit_divisor
         return logits

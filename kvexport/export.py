@@ -15,7 +15,7 @@ import torch
 from onnx import numpy_helper
 
 from kvexport.checkpoint import Checkpoint
-from kvexport.decoder import CacheStyle, Decoder, rope_tables
+from kvexport.decoder import CacheStyle, Decoder, kv_step, rope_tables
 from kvexport.errors import ArtifactError
 from kvexport.manifest import Manifest
 
@@ -122,11 +122,12 @@ def export_onnx(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dec = ck.decoder.to(dtype)
-    dec.onnx_ops, dec.cache_style, dec.last_token_only = True, cache_style, last_token_only
     L = ck.config.num_hidden_layers
     t0 = time.perf_counter()
     say(f"tracing {ck.config.model_type} ({ck.config.num_parameters() / 1e6:.1f}M params, {cache_style} cache)")
-    with warnings.catch_warnings(), _quiet_exporter():
+    # ONNX ops for this trace only: the decoder's own strategy comes back even if tracing fails
+    with dec.configured(kv=kv_step(cache_style, onnx_ops=True), last_token_only=last_token_only), \
+            warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             dec,
@@ -151,7 +152,6 @@ def export_onnx(
     (out / DATA_FILE).unlink(missing_ok=True)
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=DATA_FILE, size_threshold=1024)
-    dec.onnx_ops = False
     return ExportedIR(path, weights)
 
 
@@ -308,7 +308,7 @@ def decoder_from_ir(folder: str | Path, manifest: Manifest, *, cache_style: Cach
     model = onnx.load(str(folder / ir["file"]), load_external_data=True)
     inits = {i.name: i for i in model.graph.initializer}
     with torch.device("meta"):  # no random init of weights that are overwritten next
-        dec = Decoder(cfg, manifest.max_seq, cache_style=cache_style or ir["cache_style"], onnx_ops=False,
+        dec = Decoder(cfg, manifest.max_seq, kv=kv_step(cache_style or ir["cache_style"]),
                       last_token_only=bool(ir["last_token_only"]) if last_token_only is None else last_token_only)
     recorded = ir.get("weights")
     where = recorded if recorded is not None else _legacy_weight_map(inits, dec)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvexport.architectures import get_arch, map_config
-from kvexport.checkpoint import HELDOUT_FILE, INDEX_FILE, canonical_to_hf
+from kvexport.checkpoint import HELDOUT_FILE, INDEX_FILE
 from kvexport.config import DecoderConfig
 from kvexport.decoder import Decoder
 
@@ -143,16 +143,6 @@ def write_byte_tokenizer(out_dir: Path) -> None:
     write_tokenizer(out_dir, BYTE_VOCAB)
 
 
-def _split_sizes(cfg: DecoderConfig, canonical: str, n: int) -> list[int]:
-    if n == 1:
-        return [-1]
-    if ".qkv_proj." in canonical:
-        return [cfg.q_size, cfg.kv_size, cfg.kv_size]
-    if ".gate_up_proj." in canonical:
-        return [cfg.intermediate_size] * 2
-    raise AssertionError(f"no split rule for {canonical}")
-
-
 def random_decoder(cfg: DecoderConfig, seed: int) -> Decoder:
     """Seeded init scaled 1/sqrt(fan_in) so that activations and logits are O(1), not near-uniform."""
     g = torch.Generator().manual_seed(seed)
@@ -179,10 +169,8 @@ def write_checkpoint(hf_config: dict[str, Any], out_dir: str | Path, *, seed: in
     wm = get_arch(cfg.model_type).weights
     tensors: dict[str, torch.Tensor] = {}
     for canonical, p in random_decoder(cfg, seed).named_parameters():
-        sources = canonical_to_hf(wm, canonical)
-        for hf_name, part in zip(sources, p.detach().split(_split_sizes(cfg, canonical, len(sources)), dim=0)
-                                 if len(sources) > 1 else [p.detach()]):
-            part = part.t() if wm.transposes(canonical) else part
+        source = wm.source(canonical)  # written through its transform's inverse
+        for hf_name, part in zip(source.names, source.transform.save(p.detach(), cfg), strict=True):
             tensors[wm.prefixes[0] + hf_name] = part.contiguous().to(dtype)
     _save_tensors(tensors, out, shard_bytes)
     cfg_out = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch."), "architectures": None}

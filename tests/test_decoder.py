@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvexport.checkpoint import load_checkpoint
-from kvexport.decoder import scatter_rows
+from kvexport.decoder import IN_PLACE, kv_step, scatter_rows
 from tests.conftest import FAMILIES, HFReference, random_ids
 
 
@@ -16,7 +16,7 @@ from tests.conftest import FAMILIES, HFReference, random_ids
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decoder_matches_transformers(family: str, onnx_ops: bool, checkpoints: dict[str, Path],
                                       references: dict[str, HFReference]) -> None:
-    ck = load_checkpoint(checkpoints[family], max_seq=64, onnx_ops=onnx_ops)
+    ck = load_checkpoint(checkpoints[family], max_seq=64, kv=kv_step("static", onnx_ops=onnx_ops))
     dec, S, L = ck.decoder, 40, 48  # 40 > mistral's sliding window of 24
     ids = random_ids(S, seed=1)
     i = torch.arange(S)
@@ -51,9 +51,52 @@ def test_inplace_cache_mode_matches_the_functional_one(checkpoints: dict[str, Pa
     caches = [torch.randn(dec.cache_shape(B, C)) for _ in range(2 * dec.cfg.num_hidden_layers)]
     with torch.inference_mode():
         ref = dec(ids, pos, wi, mask, *[c.clone() for c in caches])
-        dec.inplace_cache = True
         mine = [c.clone() for c in caches]
-        out = dec(ids, pos, wi, mask, *mine)
+        with dec.configured(kv=IN_PLACE):
+            out = dec(ids, pos, wi, mask, *mine)
     assert torch.equal(out[0], ref[0])
     for got, returned, want in zip(mine, out[1:], ref[1:]):
         assert torch.equal(got, want) and returned.data_ptr() == got.data_ptr()  # written into the input
+
+
+def test_export_leaves_the_decoder_as_it_found_it(checkpoints: dict[str, Path], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvexport.decoder import STATIC_TORCH
+    from kvexport.export import export_onnx
+
+    ck = load_checkpoint(checkpoints["llama"], max_seq=32)
+    seen = []
+    export_onnx(ck, tmp_path / "ok", cache_style="concat", last_token_only=True, progress=seen.append)
+    assert ck.decoder.kv is STATIC_TORCH and ck.decoder.last_token_only is False and seen
+
+    def broken(*a: object, **k: object) -> None:
+        assert ck.decoder.cache_style == "static" and ck.decoder.kv is not STATIC_TORCH  # ONNX ops while tracing
+        raise RuntimeError("exporter failed")
+
+    monkeypatch.setattr(torch.onnx, "export", broken)
+    with pytest.raises(RuntimeError, match="exporter failed"):
+        export_onnx(ck, tmp_path / "broken", cache_style="static", last_token_only=True)
+    assert ck.decoder.kv is STATIC_TORCH and ck.decoder.last_token_only is False
+
+
+def test_every_strategy_computes_the_same_step(checkpoints: dict[str, Path]) -> None:
+    """static torch, in place and concat give the same logits and the same new cache rows."""
+    from kvexport.decoder import CONCAT_TORCH
+
+    dec = load_checkpoint(checkpoints["qwen2"], max_seq=32).decoder
+    P, S, C = 5, 3, 16
+    ids, pos = torch.tensor([random_ids(S, 4)]), torch.arange(P, P + S)[None]
+    past = [torch.randn(dec.cache_shape(1, P)) for _ in range(2 * dec.cfg.num_hidden_layers)]
+    static = [torch.cat([p, torch.zeros(dec.cache_shape(1, C - P))], dim=2) for p in past]
+    mask = torch.zeros(1, 1, S, C, dtype=torch.bool)
+    mask[0, 0] = torch.arange(C)[None] <= pos[0, :, None]
+    with torch.inference_mode():
+        ref = dec(ids, pos, torch.tensor([P]), mask, *static)
+        with dec.configured(kv=CONCAT_TORCH):
+            cat = dec(ids, pos, mask[..., : P + S], *past)
+        with dec.configured(kv=IN_PLACE):
+            inplace = dec(ids, pos, torch.tensor([P]), mask, *[c.clone() for c in static])
+    torch.testing.assert_close(cat[0], ref[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(inplace[0], ref[0], rtol=0, atol=0)
+    for a, b in zip(cat[1:], ref[1:]):
+        torch.testing.assert_close(a, b[:, :, : P + S], rtol=0, atol=0)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from kvexport.decoder import IN_PLACE
 from kvexport.errors import ArtifactError, CheckpointError
 from kvexport.manifest import Manifest
 
@@ -27,7 +28,7 @@ def decoder_from_checkpoint(model_dir: Path, manifest: Manifest) -> nn.Module:
     """The same decoder read from the source checkpoint; its files must be the ones the IR came from."""
     from kvexport.checkpoint import load_checkpoint
 
-    ck = load_checkpoint(model_dir, manifest.max_seq, torch.float32, cache_style="static", onnx_ops=False,
+    ck = load_checkpoint(model_dir, manifest.max_seq, torch.float32,
                          last_token_only=bool(manifest.raw["ir"]["last_token_only"]))
     expected = manifest.raw["model"]["source_files"]
     if expected and ck.source_hashes != expected:
@@ -83,8 +84,8 @@ def export_program(decoder: nn.Module, *, max_batch: int, dtype: torch.dtype,
         {**row, **({2: seq} if seq else {})},  # attention_mask (B, 1, S, cache_len)
         tuple(dict(row) for _ in args[4:]),  # past (B, H_kv, cache_len, D)
     )
-    decoder.inplace_cache = True  # cache writes become index_put on the inputs: kept in place by Inductor
-    with torch.no_grad():
+    # cache writes become index_put on the inputs: kept in place by Inductor
+    with torch.no_grad(), decoder.configured(kv=IN_PLACE):
         return torch.export.export(LogitsOnly(decoder), args, dynamic_shapes=dynamic, strict=False)
 
 

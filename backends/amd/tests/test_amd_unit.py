@@ -14,6 +14,7 @@ import torch
 from kvexport.artifact import export_artifact
 from kvexport.backends import BuildOptions, get
 from kvexport.checkpoint import load_checkpoint
+from kvexport.decoder import IN_PLACE
 from kvexport.errors import ArtifactError, BackendUnavailableError, InputError
 from kvexport.manifest import read
 from kvexport_amd import AmdBackend, lowering
@@ -145,9 +146,8 @@ def test_cli_gpu_device_without_gpu_has_no_traceback(amd_builds, tmp_path: Path)
 
 @pytest.mark.parametrize("family", AMD_FAMILIES)
 def test_inplace_write_matches_functional_decoder(amd_builds, family: str) -> None:
-    """Decoder(inplace_cache=True) gives the functional decoder's logits and writes the same presents in place."""
-    dec = load_checkpoint(amd_builds.checkpoint(family), 24, torch.float32, cache_style="static",
-                          onnx_ops=False).decoder
+    """The IN_PLACE strategy gives the functional decoder's logits and writes the same presents in place."""
+    dec = load_checkpoint(amd_builds.checkpoint(family), 24, torch.float32).decoder
     g = torch.Generator().manual_seed(0)
     B, S, C = 2, 4, 24
     ids = torch.randint(3, 259, (B, S), generator=g)
@@ -158,16 +158,15 @@ def test_inplace_write_matches_functional_decoder(amd_builds, family: str) -> No
     caches = [torch.randn(dec.cache_shape(B, C), generator=g) for _ in range(2 * dec.cfg.num_hidden_layers)]
     ref = dec(ids, pos, wi, mask, *[c.clone() for c in caches])
     mine = [c.clone() for c in caches]
-    dec.inplace_cache = True
-    out = lowering.LogitsOnly(dec)(ids, pos, wi, mask, *mine)
+    with dec.configured(kv=IN_PLACE):
+        out = lowering.LogitsOnly(dec)(ids, pos, wi, mask, *mine)
     torch.testing.assert_close(out, ref[0], rtol=0, atol=1e-6)
     for got, want in zip(mine, ref[1:]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_exported_graph_mutates_caches_and_returns_logits_only(amd_builds) -> None:
-    dec = load_checkpoint(amd_builds.checkpoint("llama"), 16, torch.float32, cache_style="static",
-                          onnx_ops=False, last_token_only=True).decoder
+    dec = load_checkpoint(amd_builds.checkpoint("llama"), 16, torch.float32, last_token_only=True).decoder
     ep = lowering.export_program(dec, max_batch=4, dtype=torch.float32, device="cpu")
     assert len(ep.graph_signature.user_outputs) == 1
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}

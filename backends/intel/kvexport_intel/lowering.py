@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvexport.decoder import Decoder
+from kvexport.config import DecoderConfig
+from kvexport.decoder import ConcatTorch, Decoder, Step
 from kvexport.errors import ArtifactError
 from kvexport.manifest import Manifest
 
@@ -28,6 +29,29 @@ STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "beam_idx")
 
 
 # --- the traced step ------------------------------------------------------------------------
+class BeamConcat(ConcatTorch):
+    """The concat strategy in the shape the fusion matches: Gather(beam_idx) on the past, Concat with
+    the new rows, and for GQA the unsqueeze -> expand -> reshape broadcast of K/V to the query heads."""
+
+    def __init__(self, beam_idx: Tensor):
+        self.beam_idx = beam_idx  # (B,) int32
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
+               cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
+        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        k_all = torch.cat([past_k.index_select(0, self.beam_idx), k], dim=2)  # (B, H_kv, P+S, D): the Assign'd state
+        v_all = torch.cat([past_v.index_select(0, self.beam_idx), v], dim=2)
+        B, _, T, D = k_all.shape
+        rep = Hq // Hkv
+        if rep > 1:  # unsqueeze -> expand -> reshape: the GQA broadcast the fusion recognises
+            k_rep = k_all[:, :, None].expand(B, Hkv, rep, T, D).reshape(B, Hq, T, D)
+            v_rep = v_all[:, :, None].expand(B, Hkv, rep, T, D).reshape(B, Hq, T, D)
+        else:
+            k_rep, v_rep = k_all, v_all
+        y = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=step.mask, scale=cfg.scale)  # (B, H_q, S, D)
+        return y, k_all, v_all
+
+
 class StatefulStep(nn.Module):
     """forward(input_ids, position_ids, attention_mask, beam_idx, *past) -> (logits, *present).
 
@@ -39,34 +63,10 @@ class StatefulStep(nn.Module):
         super().__init__()
         self.dec = dec
 
-    def _attention(self, layer: nn.Module, h: Tensor, pos: Tensor, mask: Tensor, beam: Tensor,
-                   past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        cfg = self.dec.cfg
-        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        q, k, v = layer.attn.project(h, pos)  # q (B, H_q, S, D), k/v (B, H_kv, S, D), RoPE applied
-        k_all = torch.cat([past_k.index_select(0, beam), k], dim=2)  # (B, H_kv, P+S, D): the Assign'd state
-        v_all = torch.cat([past_v.index_select(0, beam), v], dim=2)
-        B, _, T, D = k_all.shape
-        rep = Hq // Hkv
-        if rep > 1:  # unsqueeze -> expand -> reshape: the GQA broadcast the fusion recognises
-            k_rep = k_all[:, :, None].expand(B, Hkv, rep, T, D).reshape(B, Hq, T, D)
-            v_rep = v_all[:, :, None].expand(B, Hkv, rep, T, D).reshape(B, Hq, T, D)
-        else:
-            k_rep, v_rep = k_all, v_all
-        y = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask, scale=cfg.scale)  # (B, H_q, S, D)
-        return layer.attn.output(y), k_all, v_all
-
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, beam_idx: Tensor,
                 *past: Tensor) -> tuple[Tensor, ...]:
-        dec = self.dec
-        x = dec.embed(input_ids, position_ids)  # (B, S, hidden)
-        presents: list[Tensor] = []
-        for i, layer in enumerate(dec.layers):
-            a, k, v = self._attention(layer, layer.attn_norm(x), position_ids, attention_mask, beam_idx,
-                                      past[2 * i], past[2 * i + 1])
-            x = layer.combine(x, a)
-            presents += [k, v]
-        return (dec.head(x), *presents)  # the decoder is last-token-only: (B, 1, vocab)
+        step = self.dec.step(position_ids, None, attention_mask, BeamConcat(beam_idx))
+        return self.dec.decode(input_ids, step, past)  # the decoder is last-token-only: (B, 1, vocab)
 
 
 def _example(dec: Decoder) -> tuple[Tensor, ...]:
