@@ -5,13 +5,14 @@ branch elsewhere. Canonical tensor names are those of `kvexport.decoder.Decoder`
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvexport.config import Activation, DecoderConfig, RopeConfig
 from kvexport.errors import UnsupportedArchitectureError, UnsupportedFeatureError
-from kvexport.weightmap import GATE_UP, QKV, TRANSPOSE, WeightMap, layer_map, proj, tensor
+from kvexport.weightmap import DEINTERLEAVE_HEADS, GATE_UP, QKV, TRANSPOSE, WeightMap, layer_map, proj, tensor
 
 ACTIVATIONS: dict[str, Activation] = {
     "silu": "silu",
@@ -21,7 +22,7 @@ ACTIVATIONS: dict[str, Activation] = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "relu": "relu",
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 class ConfigReader:
@@ -54,24 +55,49 @@ class ConfigReader:
             return "silu"
         return ACTIVATIONS[name]
 
-    def rope(self) -> RopeConfig:
+    def rope_parameters(self) -> dict[str, Any]:
         # transformers >= 5 writes `rope_parameters`; 4.x wrote `rope_theta` + `rope_scaling`.
         params = dict(self.get("rope_parameters", {}) or {})
         if not params:
             params = dict(self.get("rope_scaling", {}) or {})
             params.setdefault("rope_theta", self.get("rope_theta", 10000.0))
+        return params
+
+    def partial_rotary_factor(self) -> float:
+        return float(self.rope_parameters().get("partial_rotary_factor", self.get("partial_rotary_factor", 1.0)))
+
+    def rope(self) -> RopeConfig:
+        params = self.rope_parameters()
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             self.unsupported("rope_parameters.rope_type", rope_type, ", ".join(ROPE_TYPES))
             rope_type = "default"
+        original = int(params.get("original_max_position_embeddings", self.get("original_max_position_embeddings", 8192)))
+        extra: dict[str, Any] = {}
+        if rope_type == "longrope":
+            extra = self._longrope(params, original)
         return RopeConfig(
             theta=float(params.get("rope_theta", 10000.0)),
             type=rope_type,
-            factor=float(params.get("factor", 1.0)),
+            factor=float(params.get("factor", 1.0) or 1.0),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=original,
+            **extra,
         )
+
+    def _longrope(self, params: Mapping[str, Any], original: int) -> dict[str, Any]:
+        """Phi-3's short/long factors and the cos/sin multiplier transformers derives when none is given."""
+        short, long = tuple(params.get("short_factor") or ()), tuple(params.get("long_factor") or ())
+        if not short or len(short) != len(long):
+            self.unsupported("rope_parameters.short_factor/long_factor", (len(short), len(long)),
+                             "two lists of rotary_dim/2 numbers")
+        factor = params.get("factor") or self.get("max_position_embeddings", original) / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return dict(short_factor=tuple(map(float, short)), long_factor=tuple(map(float, long)),
+                    attention_factor=float(attention))
 
     def eos(self) -> tuple[int, ...]:
         e = self.get("eos_token_id")
@@ -84,7 +110,7 @@ def _llama_like(r: ConfigReader, **overrides: Any) -> DecoderConfig:
     hidden = r.require("hidden_size")
     heads = r.require("num_attention_heads") or 1
     head_dim = r.get("head_dim", hidden // heads)
-    partial = float(r.get("partial_rotary_factor", 1.0))
+    partial = r.partial_rotary_factor()
     bias = bool(r.get("attention_bias", False))
     fields: dict[str, Any] = dict(
         model_type=r.model_type,
@@ -123,11 +149,58 @@ def _map_mistral(r: ConfigReader) -> DecoderConfig:
     return _llama_like(r, sliding_window=r.get("sliding_window"))
 
 
-def _map_qwen2(r: ConfigReader) -> DecoderConfig:
+def _full_attention_only(r: ConfigReader) -> None:
     layer_types = r.get("layer_types", [])
     if r.get("use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
-        r.unsupported("use_sliding_window", True, "Qwen2 with full attention in every layer")
+        r.unsupported("use_sliding_window", True, f"{r.model_type} with full attention in every layer")
+
+
+def _map_qwen2(r: ConfigReader) -> DecoderConfig:
+    _full_attention_only(r)
     return _llama_like(r, qkv_bias=True, o_bias=False)
+
+
+def _map_qwen3(r: ConfigReader) -> DecoderConfig:
+    _full_attention_only(r)
+    return _llama_like(r, qk_norm="head")
+
+
+def _map_olmo2(r: ConfigReader) -> DecoderConfig:
+    return _llama_like(r, norm_position="post", qk_norm="projection")
+
+
+def _map_granite(r: ConfigReader) -> DecoderConfig:
+    return _llama_like(
+        r,
+        embedding_scale=float(r.get("embedding_multiplier", 1.0)),
+        residual_scale=float(r.get("residual_multiplier", 1.0)),
+        attention_scale=float(r.get("attention_multiplier", 1.0)),
+        logit_divisor=float(r.get("logits_scaling", 1.0)),
+    )
+
+
+def _map_phi3(r: ConfigReader) -> DecoderConfig:
+    return _llama_like(r, sliding_window=r.get("sliding_window"))
+
+
+def _map_starcoder2(r: ConfigReader) -> DecoderConfig:
+    bias = bool(r.get("use_bias", True))
+    return _llama_like(r, norm_kind="layer", norm_eps=float(r.get("norm_epsilon", 1e-5)), qkv_bias=bias, o_bias=bias,
+                       mlp_bias=bias, mlp_kind="plain", activation=r.activation("hidden_act", "gelu_pytorch_tanh"),
+                       tie_word_embeddings=bool(r.get("tie_word_embeddings", True)),
+                       sliding_window=r.get("sliding_window"))
+
+
+def _map_gpt_neox(r: ConfigReader) -> DecoderConfig:
+    heads = r.require("num_attention_heads") or 1
+    kv = r.get("num_key_value_heads", heads)
+    if kv != heads:
+        r.unsupported("num_key_value_heads", kv, f"num_attention_heads ({heads}): GPT-NeoX has no grouped-query attention")
+    bias = bool(r.get("attention_bias", True))
+    return _llama_like(r, num_key_value_heads=heads, norm_kind="layer", norm_eps=float(r.get("layer_norm_eps", 1e-5)),
+                       qkv_bias=bias, o_bias=bias, mlp_bias=True, mlp_kind="plain",
+                       activation=r.activation("hidden_act", "gelu"),
+                       parallel_residual=bool(r.get("use_parallel_residual", True)))
 
 
 def _map_gpt2(r: ConfigReader) -> DecoderConfig:
@@ -205,6 +278,58 @@ GPT2_WEIGHTS = WeightMap(
 )
 
 
+QWEN3_WEIGHTS = WeightMap(LLAMA_GLOBALS, "model.layers.{i}.", {
+    **LLAMA_LAYER,
+    "attn.q_norm.weight": tensor("self_attn.q_norm.weight"),  # (head_dim,): one norm for every head
+    "attn.k_norm.weight": tensor("self_attn.k_norm.weight"),
+}, ignore_suffixes=("rotary_emb.inv_freq",))
+
+OLMO2_WEIGHTS = WeightMap(LLAMA_GLOBALS, "model.layers.{i}.", {
+    **{k: v for k, v in LLAMA_LAYER.items() if not k.startswith(("attn_norm.", "mlp_norm."))},
+    "attn.q_norm.weight": tensor("self_attn.q_norm.weight"),  # (q_size,): over the whole projection
+    "attn.k_norm.weight": tensor("self_attn.k_norm.weight"),
+    "post_attn_norm.weight": tensor("post_attention_layernorm.weight"),  # after attention, before the residual add
+    "post_mlp_norm.weight": tensor("post_feedforward_layernorm.weight"),
+}, ignore_suffixes=("rotary_emb.inv_freq",))
+
+PHI3_WEIGHTS = WeightMap(LLAMA_GLOBALS, "model.layers.{i}.", layer_map({
+    "attn_norm": {"weight": tensor("input_layernorm.weight")},
+    "attn.qkv_proj": proj("self_attn.qkv_proj"),  # already [q; k; v]
+    "attn.o_proj": proj("self_attn.o_proj"),
+    "mlp_norm": {"weight": tensor("post_attention_layernorm.weight")},
+    "mlp.gate_up_proj": proj("mlp.gate_up_proj"),  # already [gate; up]
+    "mlp.down_proj": proj("mlp.down_proj"),
+}), ignore_suffixes=("rotary_emb.inv_freq",))
+
+STARCODER2_WEIGHTS = WeightMap(LLAMA_GLOBALS, "model.layers.{i}.", layer_map({
+    "attn_norm": proj("input_layernorm"),
+    "attn.qkv_proj": proj("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", transform=QKV),
+    "attn.o_proj": proj("self_attn.o_proj"),
+    "mlp_norm": proj("post_attention_layernorm"),
+    "mlp.gate_up_proj": proj("mlp.c_fc"),
+    "mlp.down_proj": proj("mlp.c_proj"),
+}), ignore_suffixes=("rotary_emb.inv_freq",))
+
+GPT_NEOX_WEIGHTS = WeightMap(
+    globals={
+        "embed_tokens.weight": tensor("gpt_neox.embed_in.weight"),
+        "norm.weight": tensor("gpt_neox.final_layer_norm.weight"),
+        "norm.bias": tensor("gpt_neox.final_layer_norm.bias"),
+        "lm_head.weight": tensor("embed_out.weight"),
+    },
+    layer_prefix="gpt_neox.layers.{i}.",
+    layer=layer_map({
+        "attn_norm": proj("input_layernorm"),
+        "attn.qkv_proj": proj("attention.query_key_value", transform=DEINTERLEAVE_HEADS),  # rows per head: q_h, k_h, v_h
+        "attn.o_proj": proj("attention.dense"),
+        "mlp_norm": proj("post_attention_layernorm"),
+        "mlp.gate_up_proj": proj("mlp.dense_h_to_4h"),
+        "mlp.down_proj": proj("mlp.dense_4h_to_h"),
+    }),
+    ignore_suffixes=("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias"),
+)
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     model_type: str
@@ -220,6 +345,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("mistral", _map_mistral, LLAMA_WEIGHTS, "Llama + sliding-window attention"),
         ArchSpec("qwen2", _map_qwen2, LLAMA_WEIGHTS, "Llama + q/k/v bias"),
         ArchSpec("gpt2", _map_gpt2, GPT2_WEIGHTS, "learned positions, fused Conv1D c_attn, LayerNorm, GELU"),
+        ArchSpec("qwen3", _map_qwen3, QWEN3_WEIGHTS, "Llama + per-head q/k RMSNorm before RoPE"),
+        ArchSpec("olmo2", _map_olmo2, OLMO2_WEIGHTS, "norms after attention and MLP; q/k RMSNorm over the projection"),
+        ArchSpec("granite", _map_granite, LLAMA_WEIGHTS, "Llama + embedding, residual, attention and logit multipliers"),
+        ArchSpec("gpt_neox", _map_gpt_neox, GPT_NEOX_WEIGHTS,
+                 "per-head interleaved query_key_value, partial rotary, parallel residual, LayerNorm with bias"),
+        ArchSpec("phi3", _map_phi3, PHI3_WEIGHTS, "fused qkv_proj and gate_up_proj, LongRoPE (short/long factors)"),
+        ArchSpec("starcoder2", _map_starcoder2, STARCODER2_WEIGHTS, "LayerNorm with bias, GELU MLP, sliding window"),
     )
 }
 
@@ -253,7 +385,35 @@ def config_problems(raw: Mapping[str, Any]) -> tuple[DecoderConfig | None, list[
         )
     if cfg.effective_rotary_dim % 2:
         r.problems.append(f"rotary dimension {cfg.effective_rotary_dim} must be even")
+    if cfg.rope.type == "longrope" and len(cfg.rope.short_factor) != cfg.effective_rotary_dim // 2:
+        r.problems.append(f"`rope_parameters`: longrope has {len(cfg.rope.short_factor)} short/long factors but the "
+                          f"rotary dimension {cfg.effective_rotary_dim} has {cfg.effective_rotary_dim // 2} "
+                          "frequencies (supported: one factor per frequency)")
+    r.problems += _unmodelled_features(raw)
     return cfg, r.problems
+
+
+# Config keys whose non-default value changes what the model computes in a way no family here models.
+_UNMODELLED: dict[str, str] = {
+    "attn_logit_softcapping": "attention logit softcapping",
+    "final_logit_softcapping": "final logit softcapping",
+    "num_local_experts": "mixture-of-experts layers",
+    "num_experts": "mixture-of-experts layers",
+}
+
+
+def _unmodelled_features(raw: Mapping[str, Any]) -> list[str]:
+    """Features any family's config may carry that the decoder does not compute: named, not ignored."""
+    found = [f"`{k}` = {raw[k]!r}: {what} is not supported" for k, what in _UNMODELLED.items() if raw.get(k)]
+    kinds = sorted(set(raw.get("layer_types") or ()))
+    if len(kinds) > 1:
+        found.append(f"`layer_types` mixes {', '.join(kinds)}: layers with different attention kinds are not "
+                     "supported (every layer must use the same kind)")
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params, Mapping) and params and all(isinstance(v, Mapping) for v in params.values()):
+        found.append(f"`rope_parameters` per layer kind ({', '.join(sorted(params))}): one RoPE for every "
+                     "layer is supported")
+    return found
 
 
 def map_config(raw: Mapping[str, Any]) -> DecoderConfig:

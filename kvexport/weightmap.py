@@ -86,7 +86,7 @@ class DeinterleaveHeads(Transform):
         return [t.reshape(3, H, D, *t.shape[1:]).transpose(0, 1).reshape(t.shape)]
 
 
-SAME, TRANSPOSE = Same(), Transpose()
+SAME, TRANSPOSE, DEINTERLEAVE_HEADS = Same(), Transpose(), DeinterleaveHeads()
 QKV = Concat(lambda c: (c.q_size, c.kv_size, c.kv_size))
 GATE_UP = Concat(lambda c: (c.intermediate_size, c.intermediate_size))
 

@@ -46,6 +46,29 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": None,
              "n_positions": 256, "vocab_size": 320, "activation_function": "gelu_new",
              "layer_norm_epsilon": 1e-5, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen3": {**_LLAMA_TINY, "model_type": "qwen3", "head_dim": 32, "use_sliding_window": False,  # head_dim != 64/4
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    "olmo2": {**_LLAMA_TINY, "model_type": "olmo2", "rms_norm_eps": 1e-6,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    "granite": {**_LLAMA_TINY, "model_type": "granite", "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                "attention_multiplier": 0.125, "logits_scaling": 4.0,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "gpt_neox": {"model_type": "gpt_neox", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "vocab_size": 320, "max_position_embeddings": 256,
+                 "layer_norm_eps": 1e-5, "hidden_act": "gelu", "use_parallel_residual": True,
+                 "attention_bias": True, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    # longrope: the tests stay below original_max_position_embeddings (short factors), as transformers'
+    # uncached forward of a text past it would switch every position to the long ones
+    "phi3": {**_LLAMA_TINY, "model_type": "phi3", "original_max_position_embeddings": 128,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                                 "short_factor": [1.0, 1.05, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5],
+                                 "long_factor": [1.0, 1.3, 1.8, 2.6, 3.7, 5.0, 6.5, 8.0]}},
+    "starcoder2": {"model_type": "starcoder2", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+                   "max_position_embeddings": 256, "norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh",
+                   "use_bias": True, "sliding_window": 24, "tie_word_embeddings": True, "bos_token_id": 1,
+                   "eos_token_id": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
 }
 
 BENCH_125M: dict[str, Any] = {

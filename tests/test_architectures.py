@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -37,6 +38,32 @@ def test_family_differences_are_data() -> None:
     g = cfg["gpt2"]
     assert (g.position_kind, g.norm_kind, g.mlp_kind, g.activation) == ("learned", "layer", "plain", "gelu_tanh")
     assert g.tie_word_embeddings and g.intermediate_size == 4 * g.hidden_size
+    assert cfg["qwen3"].qk_norm == "head" and cfg["qwen3"].head_dim == 32 != 64 // 4
+    assert (cfg["olmo2"].qk_norm, cfg["olmo2"].norm_position) == ("projection", "post")
+    gr = cfg["granite"]
+    assert (gr.embedding_scale, gr.residual_scale, gr.attention_scale, gr.logit_divisor) == (2.0, 0.5, 0.125, 4.0)
+    n = cfg["gpt_neox"]
+    assert n.parallel_residual and n.rotary_dim == 8 and n.norm_kind == "layer" and n.qkv_bias and n.mlp_kind == "plain"
+    rope = cfg["phi3"].rope
+    assert rope.type == "longrope" and len(rope.short_factor) == 8 and rope.original_max_position_embeddings == 128
+    assert abs(rope.attention_factor - (1 + math.log(2) / math.log(128)) ** 0.5) < 1e-12  # 256 / 128 positions
+    sc = cfg["starcoder2"]
+    assert (sc.norm_kind, sc.mlp_kind, sc.activation, sc.sliding_window) == ("layer", "plain", "gelu_tanh", 24)
+
+
+def test_every_config_field_differs_from_its_default_in_some_family() -> None:
+    """A DecoderConfig field no family sets is a path no parity test compares with transformers."""
+    import dataclasses
+
+    from kvexport.config import DecoderConfig
+
+    cfgs = [map_config(raw) for raw in TINY_CONFIGS.values()]
+    for f in dataclasses.fields(DecoderConfig):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            continue  # required: every family sets it
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        assert any(getattr(c, f.name) != default for c in cfgs), f"no family sets DecoderConfig.{f.name}"
+    assert {c.rope.type for c in cfgs} >= {"default", "llama3", "longrope"}
 
 
 def test_bench_125m_matches_benchmarks_md() -> None:
@@ -67,6 +94,13 @@ def test_unknown_model_type_names_supported_families() -> None:
         ("llama", "hidden_act", "swiglu_fancy"),
         ("qwen2", "use_sliding_window", True),
         ("gpt2", "scale_attn_by_inverse_layer_idx", True),
+        ("qwen3", "layer_types", ["full_attention", "sliding_attention"]),
+        ("llama", "final_logit_softcapping", 30.0),
+        ("starcoder2", "num_experts", 8),
+        ("gpt_neox", "num_key_value_heads", 2),
+        ("phi3", "rope_parameters", {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}),
+        ("llama", "rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     ],
 )
 def test_unsupported_feature_names_the_field(family: str, field: str, value: object) -> None:

@@ -100,3 +100,46 @@ def test_every_strategy_computes_the_same_step(checkpoints: dict[str, Path]) -> 
     torch.testing.assert_close(inplace[0], ref[0], rtol=0, atol=0)
     for a, b in zip(cat[1:], ref[1:]):
         torch.testing.assert_close(a, b[:, :, : P + S], rtol=0, atol=0)
+
+
+def test_longrope_switches_to_the_long_factors_where_transformers_does(tmp_path: Path) -> None:
+    """Decoding with a cache past original_max_position_embeddings, transformers rotates each new token
+    with the long factors (earlier keys keep the short ones); the decoder's per-position tables agree."""
+    import transformers
+
+    from kvexport.zoo import TINY_CONFIGS, write_checkpoint
+
+    raw = {**TINY_CONFIGS["phi3"], "original_max_position_embeddings": 16}
+    ck = load_checkpoint(write_checkpoint(raw, tmp_path / "phi3", seed=2), max_seq=32)
+    assert ck.config.rope.type == "longrope" and ck.config.rope.attention_factor > 1.0
+    dec, L, P = ck.decoder, 32, 10
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "phi3"), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    ids = random_ids(L, seed=9)
+    caches = [torch.zeros(dec.cache_shape(1, L)) for _ in range(2 * dec.cfg.num_hidden_layers)]
+    worst = 0.0
+    with torch.inference_mode():
+        out = hf(torch.tensor([ids[:P]]), use_cache=True)
+        past, ref = out.past_key_values, [out.logits[0, -1]]
+        for t in range(P, L - 1):  # positions 10..30 cross original_max_position_embeddings (16)
+            out = hf(torch.tensor([[ids[t]]]), past_key_values=past, use_cache=True,
+                     position_ids=torch.tensor([[t]]))
+            past = out.past_key_values
+            ref.append(out.logits[0, -1])
+        mask = torch.zeros(1, 1, P, L, dtype=torch.bool)
+        mask[0, 0, :, :P] = torch.tril(torch.ones(P, P, dtype=torch.bool))
+        logits, *caches = dec(torch.tensor([ids[:P]]), torch.arange(P)[None], torch.tensor([0]), mask, *caches)
+        mine = [logits[0, -1]]
+        for t in range(P, L - 1):
+            mask = (torch.arange(L) <= t)[None, None, None]
+            logits, *caches = dec(torch.tensor([[ids[t]]]), torch.tensor([[t]]), torch.tensor([t]), mask, *caches)
+            mine.append(logits[0, -1])
+    for a, b in zip(mine, ref):
+        worst = max(worst, float((a - b).abs().max()))
+    assert worst < 1e-4, worst
+    from kvexport.decoder import rope_inv_freq
+
+    af = ck.config.rope.attention_factor
+    short_cos = [(torch.cos(t * rope_inv_freq(ck.config)) * af).float() for t in (10, 20)]
+    assert torch.allclose(dec.rope_cos[10], short_cos[0])  # below 16: the short factors
+    assert not torch.allclose(dec.rope_cos[20], short_cos[1], atol=1e-3)  # from 16 on: the long ones

@@ -48,7 +48,8 @@ def test_verify_passes_within_the_tolerance_table(family: str, engines: dict, ch
     report = verify_engine(engines[family], checkpoints[family], decode_steps=16, prompt_lengths=(1, 9))
     assert report.passed, report.failures
     assert report.summary["max_abs_logit"] < TOL.max_abs_logit
-    assert report.checks["batch_independence_max_abs"] < 1e-4
+    assert report.checks["batch_independence_max_abs"] < 1e-4  # a left-padded batch equals its rows alone
+    assert report.checks["prefill_decode_max_abs"] < 1e-4  # prefill(N) + decode(1) equals prefill(N + 1)
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(engines: dict) -> None:
