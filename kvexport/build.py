@@ -9,11 +9,12 @@ from pathlib import Path
 from kvexport import backends
 from kvexport.artifact import VERIFY_FILE, export_artifact, finish, open_artifact
 from kvexport.backends import BuildOptions
+from kvexport.doctor import read_cpu_flags
 from kvexport.errors import BackendUnavailableError, InputError, NumericsMismatchError
+from kvexport.precision import ALIASES, record, resolve
 
 Progress = Callable[[str], None]
-PRECISION_ALIASES = {"f32": "fp32", "float32": "fp32", "f16": "fp16", "half": "fp16", "float16": "fp16",
-                     "bfloat16": "bf16"}
+PRECISION_ALIASES = ALIASES
 
 
 def build(
@@ -31,12 +32,11 @@ def build(
     options = options or BuildOptions()
     backend = backends.get(target)
     caps = backend.capabilities()
-    if options.precision is not None:
-        options.precision = PRECISION_ALIASES.get(options.precision.lower(), options.precision.lower())
-    if options.precision is not None and options.precision not in caps.precisions:
-        raise InputError(f"target {target!r} supports precisions {', '.join(caps.precisions)}, not {options.precision!r}")
+    # every refusal of the precision flags and --option values comes before the export
+    resolved = resolve(backend, options, read_cpu_flags(), say)
+    defer = backend.build_options(options).get("defer", False)
     reasons = backend.availability()
-    if reasons and not (caps.deferred_build and options.extra.get("defer")):
+    if reasons and not (caps.deferred_build and defer):
         hint = " Pass --defer to package the prepared IR; the engine is then built at first load." if caps.deferred_build else ""
         raise BackendUnavailableError(f"target {target!r} cannot build here: " + "; ".join(reasons) + "." + hint)
     if verify:
@@ -59,6 +59,7 @@ def build(
                 raise InputError(f"target {target!r} cannot lower this model: " + "; ".join(problems))
             say(f"building the {target} engine")
             backend.build(folder, manifest, options, say)
+            record(backend, folder, manifest, resolved)
             finish(folder, manifest)
             mismatch = None
             if verify and not manifest.raw["target"].get("deferred"):

@@ -298,7 +298,8 @@ def cmd_build(a: argparse.Namespace) -> int:
         extra["numa_node"] = a.numa_node
     if a.defer:
         extra["defer"] = True
-    opts = BuildOptions(precision=a.precision, threads=a.threads, max_batch=a.max_batch, extra=extra)
+    opts = BuildOptions(precision=a.precision, weights=a.weights, group_size=a.group_size, kv=a.kv,
+                        threads=a.threads, max_batch=a.max_batch, extra=extra)
     build(a.model_dir, a.output, target=a.target, max_seq=a.max_seq, options=opts, verify=not a.no_verify,
           progress=_Progress(a.quiet))
     return 0
@@ -377,13 +378,16 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         print(m.to_json())
         return 0
     cfg, cache, target = m.config, m.cache, m.target
-    per_slot = 2 * cache["num_layers"] * cache["kv_heads"] * cache["head_dim"] * (4 if cache["dtype"] == "float32" else 2)
+    from kvexport.precision import kv_of
+
+    kv_mode, per_slot = kv_of(m)
     print(f"{folder}: {m.raw['model']['family']} '{m.raw['model']['name']}', {m.raw['model']['num_parameters'] / 1e6:.1f}M parameters")
     print(f"  dims: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads {cfg.num_attention_heads} "
           f"(kv {cfg.num_key_value_heads}), head_dim {cfg.head_dim}, mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}")
     print(f"  IR: {m.raw['ir']['file']} opset {m.raw['ir']['opset']}, {cache['style']} cache {cache['layout']} "
           f"{cache['dtype']}, max_seq {cache['max_seq']}, last-token logits {m.raw['ir']['last_token_only']}")
-    print(f"  KV cache: {per_slot} bytes per slot per row; {per_slot * cache['max_seq'] / 2**20:.1f} MiB per row at max_seq")
+    print(f"  KV cache: {kv_mode}, {per_slot} bytes per token per row (scales included); "
+          f"{per_slot * cache['max_seq'] / 2**20:.1f} MiB per row at max_seq")
     print("  inputs:")
     for io in m.inputs:
         print(f"    {io['name']:32s} {io['dtype']:8s} {io['shape']}")
@@ -393,6 +397,12 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     if target:
         print(f"  target: {target['backend']} {target['precision']}, engine files {', '.join(target['engine_files'])}")
         print(f"  fingerprint: {json.dumps(target['fingerprint'])}")
+        w = target.get("weights")
+        if w:
+            block = f", group size {w['group_size']}" if w.get("group_size") else ""
+            print(f"  weights: {w['dtype']}{block}, {w['bytes']} bytes ({w['bytes'] / 2**20:.1f} MiB, scales included)")
+        if target.get("auto"):
+            print(f"  auto picked: {target['auto']['reason']}")
     else:
         print("  target: none (IR only; `kvexport build` makes an engine)")
     v = m.raw.get("verification")
@@ -448,7 +458,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", required=True)
     s.add_argument("--target", default="cpu")
     s.add_argument("--max-seq", type=int, default=None)
-    s.add_argument("--precision", default=None)
+    s.add_argument("--weights", default=None, metavar="MODE",
+                   help="weights: fp32, fp16, bf16, int8, int4 (block-wise) or auto (the fastest mode this CPU or GPU "
+                        "runs that has a tolerance row; the pick and its reason are printed and kept in the manifest); "
+                        "default: the target's own")
+    s.add_argument("--precision", default=None, metavar="MODE", help="another name for --weights")
+    s.add_argument("--group-size", type=int, default=None, metavar="N",
+                   help="int8/int4 weights: 32, 64 or 128 weights share one scale (default: the target's, 32 on cpu)")
+    s.add_argument("--kv", default=None, metavar="MODE",
+                   help="KV cache: fp32, fp16, bf16, int8 or auto (default: fp32, or the weights' type on targets "
+                        "that keep the cache in it)")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--max-batch", type=int, default=8)
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend-specific option")

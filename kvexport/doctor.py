@@ -18,17 +18,33 @@ ISA_FLAGS = {
 }
 
 
-def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
-    model, flags = platform.processor() or "unknown", set()
+def _cpuinfo_text(cpuinfo: Path | str | None) -> str:
+    """/proc/cpuinfo's text (cpuinfo None), another file's (a Path), or the given text (a str)."""
+    if isinstance(cpuinfo, str):
+        return cpuinfo
     try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+        return (cpuinfo or Path("/proc/cpuinfo")).read_text()
     except OSError:
-        pass
+        return ""
+
+
+def read_cpu_flags(cpuinfo: Path | str | None = None) -> set[str]:
+    """The ISA `flags` of the first processor (Linux /proc/cpuinfo names; empty elsewhere): the one reader
+    that core, doctor and every backend use."""
+    for line in _cpuinfo_text(cpuinfo).splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    model = platform.processor() or "unknown"
+    text = _cpuinfo_text(cpuinfo)
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    flags = read_cpu_flags(text)
     return {"model": model, "logical_cpus": os.cpu_count(), "isa": {name: f in flags for f, name in ISA_FLAGS.items()}}
 
 

@@ -60,11 +60,11 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("cpu", "fp32"): EXACT,
     ("intel", "fp32"): FP32,
     ("intel", "bf16"): BF16_DERIVED,  # derived, see above
-    # a lossy KV cache (target.options.kv_precision) costs agreement on top of the weights' precision
-    ("intel", "fp32+kv-f16"): KV_F16,
-    ("intel", "fp32+kv-u8"): KV_U8,
-    ("intel", "bf16+kv-f16"): BF16_DERIVED,
-    ("intel", "bf16+kv-u8"): BF16_DERIVED,
+    # a lossy KV cache (target.kv, --kv) costs agreement on top of the weights' precision
+    ("intel", "fp32+kv-fp16"): KV_F16,
+    ("intel", "fp32+kv-int8"): KV_U8,
+    ("intel", "bf16+kv-fp16"): BF16_DERIVED,
+    ("intel", "bf16+kv-int8"): BF16_DERIVED,
     ("amd", "fp32"): FP32,
     ("amd", "fp16"): FP16,
     ("amd", "bf16"): BF16,
@@ -74,11 +74,25 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
 }
 
 
+def mode_key(weights: str, group_size: int | None, kv: str) -> str:
+    """`fp32`, `int8`, `int4-g32`, `fp32+kv-int8`, `int4-g128+kv-int8`: the weights' mode (int4 with its
+    group size, which moves its accuracy; int8's barely does), then the cache's when it differs from them."""
+    key = f"{weights}-g{group_size}" if weights == "int4" else weights
+    return key if kv in ("fp32", weights) else f"{key}+kv-{kv}"
+
+
+# other spellings of the vocabulary's modes: numpy/ONNX dtype names, and intel's kv_precision before --kv
+DTYPE_NAMES = {"f32": "fp32", "float32": "fp32", "f16": "fp16", "float16": "fp16", "half": "fp16",
+               "bfloat16": "bf16", "u8": "int8"}
+
+
 def precision_key(target: dict) -> str:
-    """`fp32`, or `fp32+kv-u8` when the engine keeps its KV cache in a lossier type than its weights."""
-    precision = str(target.get("precision", "fp32"))
-    kv = (target.get("options") or {}).get("kv_precision")
-    return precision if kv in (None, "f32", "fp32") else f"{precision}+kv-{kv}"
+    """The row key of a built target: its `weights` and `kv` records, or for an artifact built before them,
+    `precision` and intel's `options.kv_precision` (u8 is kv int8, f16 kv fp16)."""
+    weights = target.get("weights") or {"dtype": target.get("precision", "fp32"), "group_size": None}
+    kv = str(target["kv"]["dtype"] if target.get("kv") else (target.get("options") or {}).get("kv_precision") or "fp32")
+    dtype = str(weights["dtype"])
+    return mode_key(DTYPE_NAMES.get(dtype, dtype), weights.get("group_size"), DTYPE_NAMES.get(kv, kv))
 
 
 def tolerance(backend: str, precision: str) -> Tolerance:

@@ -92,7 +92,7 @@ def test_export_check_lists_problems(tmp_path: Path) -> None:
         (["build", "no/such/dir", "-o", "x.kvx"], "not a folder"),
         (["export", "no/such/dir", "--check"], "not a folder"),
         (["make-checkpoint", "gpt5", "-o", "x"], "unknown model name"),
-        (["build", "-o", "x.kvx", "--precision", "int3"], "supports precisions"),
+        (["build", "-o", "x.kvx", "--precision", "int3"], "--weights is one of fp32, fp16, bf16, int8, int4 or auto"),
     ],
 )
 def test_clean_cli_errors(args: list[str], needle: str, tmp_path: Path) -> None:

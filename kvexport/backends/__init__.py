@@ -20,6 +20,35 @@ Progress = Callable[[str], None]
 CachePolicy = Literal["grow", "fixed", "internal"]
 
 
+WEIGHT_MODES = ("fp32", "fp16", "bf16", "int8", "int4")  # --weights (and its alias --precision)
+KV_MODES = ("fp32", "fp16", "bf16", "int8")  # --kv
+GROUP_SIZES = (32, 64, 128)  # --group-size: the block of int8/int4 weights sharing one scale
+BLOCK_MODES = ("int8", "int4")  # the weight modes that take a group size
+OptionKind = Literal["bool", "int", "str"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One `--option NAME=VALUE` a backend takes, declared once; core parses and validates it."""
+
+    name: str
+    kind: OptionKind
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()  # str options: the values it takes (empty: any)
+    phase: Literal["build", "load", "both"] = "build"  # `kvexport build --option`, or kvexport.load(**options)
+
+
+@dataclass(frozen=True)
+class AutoMode:
+    """One entry of a backend's `auto` preference: the modes and why they come at this place."""
+
+    weights: str
+    kv: str
+    reason: str
+    group_size: int | None = None
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What shared code may ask of a backend (never `if target == ...`)."""
@@ -28,12 +57,20 @@ class Capabilities:
     description: str
     ir_cache_style: Literal["static", "concat"]  # the IR style it lowers from
     cache_policy: CachePolicy  # grow: runtime doubles capacity; fixed: max_seq; internal: engine-owned state
-    precisions: tuple[str, ...]
-    default_precision: str
+    precisions: tuple[str, ...]  # the weight modes it builds (--weights), a subset of WEIGHT_MODES
+    default_precision: str  # the weights mode when --weights is not given
     devices: tuple[str, ...]
     sdk: tuple[str, ...] = ()  # Python modules the backend needs at build/run time
     deferred_build: bool = False  # can package the IR and build the engine at first load
     threads_option: bool = True
+    kv_modes: tuple[str, ...] = ("fp32",)  # the KV-cache modes it builds (--kv), a subset of KV_MODES
+    # int8/int4 block sizes it builds, and the one it takes when --group-size is not given
+    group_sizes: tuple[int, ...] = GROUP_SIZES
+    default_group_size: dict[str, int] = field(default_factory=lambda: {"int8": 32, "int4": 32})
+    kv_follows_weights: bool = False  # with no --kv, the cache takes the weights' float type (else fp32)
+    options: tuple[Option, ...] = ()  # its --option keys (see Option)
+    # an option that is another name for a core flag: {option: (flag, {its value: the flag's value})}
+    option_aliases: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -47,6 +84,59 @@ class BuildOptions:
     max_batch: int = 8
     threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (numa_node, kv_precision, ...)
+
+
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    """The one rule for a boolean option, on every target: true/false/1/0/yes/no/on/off, nothing else."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise InputError(f"option {name} is true or false ({'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)}), "
+                     f"not {value!r}")
+
+
+def parse_option(option: Option, value: Any) -> Any:
+    """One declared option's value, typed; None keeps the default's meaning (not set)."""
+    if value is None:
+        return None
+    if option.kind == "bool":
+        return parse_bool(option.name, value)
+    if option.kind == "int":
+        if isinstance(value, bool):
+            raise InputError(f"option {option.name} takes an integer, not {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"option {option.name} takes an integer, got {value!r} ({option.help})") from e
+    text = str(value)
+    if option.choices and text.lower() not in option.choices:
+        raise InputError(f"option {option.name} is one of {', '.join(option.choices)}, not {value!r} ({option.help})")
+    return text.lower() if option.choices else text
+
+
+def parse_options(declared: tuple[Option, ...], given: dict[str, Any], *, target: str,
+                  phase: Literal["build", "load"]) -> dict[str, Any]:
+    """`given` checked against what the target declares for this phase: every declared option with its
+    typed value (its default when not given). Unknown names list the ones it takes."""
+    known = {o.name: o for o in declared if o.phase in (phase, "both")}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        takes = "; ".join(f"{o.name} ({o.kind}, default {o.default!r}): {o.help}" for o in known.values())
+        raise InputError(f"unknown {target} options {unknown} at {phase}; the {target} target takes "
+                         + (takes or f"no --option at {phase}"))
+    out = {}
+    for name, option in known.items():
+        value = parse_option(option, given.get(name))
+        out[name] = option.default if value is None else value
+    return out
 
 
 class Backend(ABC):
@@ -85,7 +175,9 @@ class Backend(ABC):
         from kvexport.artifact import check_integrity
 
         check_integrity(Path(folder), manifest)
-        return self.open_session(Path(folder), manifest, **options)
+        declared = {o.name: o for o in self.capabilities().options if o.phase in ("load", "both")}
+        typed = {k: parse_option(declared[k], v) if k in declared else v for k, v in options.items()}
+        return self.open_session(Path(folder), manifest, **typed)
 
     @abstractmethod
     def open_session(self, folder: Path, manifest: Manifest, **options: Any) -> Any:
@@ -95,6 +187,35 @@ class Backend(ABC):
     def doctor(self) -> dict[str, Any]:
         """Facts for `kvexport doctor` (SDK versions, devices)."""
         return {}
+
+    def build_options(self, options: BuildOptions) -> dict[str, Any]:
+        """options.extra checked against the declared build options, typed, defaults filled in. Core calls
+        it before any long work; a backend's build calls it again (it is idempotent) to read its options."""
+        caps = self.capabilities()
+        given = {k: v for k, v in options.extra.items() if k not in caps.option_aliases}
+        return parse_options(caps.options, given, target=self.name, phase="build")
+
+    def weight_bytes(self, folder: Path, manifest: Manifest, weights: str, group_size: int | None) -> int:
+        """Bytes of the engine's weights (scales included), for the manifest's target.weights. This default
+        estimates from the parameter count; a backend that can count its engine's tensors overrides it."""
+        from kvexport.precision import nominal_weight_bytes
+
+        return nominal_weight_bytes(manifest.raw["model"]["num_parameters"], weights, group_size)
+
+    def kv_bytes_per_token(self, manifest: Manifest, kv: str) -> int:
+        """Cache bytes one token adds (K and V, every layer, scales included), for target.kv. The default
+        int8 scheme is per token and head with an f32 scale and zero point (OpenVINO's u8 cache); a backend
+        whose scales are per channel (fixed, not per token) overrides it."""
+        from kvexport.precision import default_kv_bytes_per_token
+
+        return default_kv_bytes_per_token(manifest, kv)
+
+    def auto_modes(self, flags: set[str]) -> list[AutoMode]:
+        """`--weights auto` / `--kv auto`: this backend's modes in the order it runs them fastest on a CPU
+        with these ISA flags (/proc/cpuinfo names). Core takes the first that the asked-for flags allow
+        and that has a tolerance row. The default: the default weights with an fp32 cache."""
+        caps = self.capabilities()
+        return [AutoMode(caps.default_precision, "fp32", f"{caps.default_precision}: the {self.name} default")]
 
     def require_available(self) -> None:
         reasons = self.availability()

@@ -11,6 +11,7 @@ import numpy as np
 
 from kvexport.backends import BuildOptions, Capabilities, Progress
 from kvexport.backends import Backend as _Backend
+from kvexport.doctor import read_cpu_flags
 from kvexport.errors import ArtifactError, InputError
 from kvexport.manifest import Manifest
 from kvexport.runtime.buffers import aligned_zeros, capacity_for
@@ -23,16 +24,6 @@ OPT_DATA = "model.opt.onnx.data"
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -40,7 +31,7 @@ def default_threads() -> int:
 def fingerprint() -> dict[str, Any]:
     import onnxruntime as ort
 
-    flags = cpu_flags()
+    flags = read_cpu_flags()
     return {
         "onnxruntime": ort.__version__,
         "isa": sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4"))),
@@ -126,6 +117,15 @@ class CpuBackend(_Backend):
             "fingerprint": fingerprint(),
             "options": {"threads": options.threads, **fused},
         }
+
+    def weight_bytes(self, folder: Path, manifest: Manifest, weights: str, group_size: int | None) -> int:
+        """Counted: every initializer of the optimized graph (packed int4/int8 blocks and their scales included)."""
+        import onnx
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        model = onnx.load(str(folder / ENGINE_DIR / OPT_MODEL), load_external_data=False)
+        return sum(int(np.prod(t.dims)) * np.dtype(tensor_dtype_to_np_dtype(t.data_type)).itemsize
+                   for t in model.graph.initializer)
 
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
                      **options: Any) -> CpuSession:

@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvexport.backends import Backend, BuildOptions, Capabilities, Progress
+from kvexport.backends import Backend, BuildOptions, Capabilities, Option, Progress, parse_bool
 from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, UnsupportedFeatureError
 from kvexport.manifest import Manifest
 
@@ -13,12 +13,13 @@ from kvexport_amd import device as dv
 
 ENGINE_DIR = "engine"
 PACKAGE = "model.pt2"
-BUILD_OPTIONS = {"device", "model_dir"}
+OPTIONS = (
+    Option("device", "str", "auto", "compile for the GPU (gpu), the CPU (cpu), or the GPU when there is one",
+           choices=("auto", "gpu", "cpu")),
+    Option("model_dir", "str", None, "read the weights from this checkpoint folder instead of the IR"),
+    Option("graphs", "bool", None, "replay the decode step as a HIP/CUDA graph (default: on a GPU)", phase="load"),
+)
 LOAD_OPTIONS = {"graphs", "threads"}
-
-
-def _truthy(value: Any) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
 class AmdBackend(Backend):
@@ -37,6 +38,9 @@ class AmdBackend(Backend):
             sdk=("torch",),
             deferred_build=False,
             threads_option=True,
+            kv_modes=("fp32", "fp16", "bf16"),
+            kv_follows_weights=True,  # the cache is in the compiled graph's dtype
+            options=OPTIONS,
         )
 
     @staticmethod
@@ -72,15 +76,12 @@ class AmdBackend(Backend):
         from kvexport_amd import lowering
 
         # every refusal comes before the minutes of compiling
-        extra = dict(options.extra)
-        unknown = sorted(set(extra) - BUILD_OPTIONS)
-        if unknown:
-            raise InputError(f"unknown amd option(s) {unknown}; supported: {', '.join(sorted(BUILD_OPTIONS))}")
+        extra = self.build_options(options)
         self.require_available()
         problems = self.check(manifest)
         if problems:
             raise UnsupportedFeatureError("; ".join(problems))
-        info = dv.select(str(extra.get("device", "auto")))  # type: ignore[arg-type]
+        info = dv.select(extra["device"])
         precision = options.precision or self._default_precision(info.kind != "cpu")
         if precision not in lowering.DTYPES:
             raise InputError(f"the amd target compiles fp16, bf16 or fp32, not {precision!r}")
@@ -158,7 +159,7 @@ class AmdBackend(Backend):
                                 "`kvexport build MODEL_DIR --target amd`")
         lowering.inspect_package(path)
         gpu = kind != "cpu"
-        use_graph = _truthy(options.get("graphs", gpu))
+        use_graph = parse_bool("graphs", options.get("graphs") if options.get("graphs") is not None else gpu)
         if options.get("threads"):
             torch.set_num_threads(int(options["threads"]))  # the ATen kernels the package calls (attention, GEMM)
         # run_single_threaded drops the runner's internal pool, which graph capture cannot live with

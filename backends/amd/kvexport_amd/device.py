@@ -6,6 +6,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvexport.doctor import read_cpu_flags
 from kvexport.errors import BackendUnavailableError
 
 DeviceKind = Literal["rocm", "cuda", "cpu"]
@@ -48,15 +49,7 @@ class DeviceInfo:
 
 def cpu_flags() -> tuple[str, ...]:
     """ISA flags of this CPU that compiled kernels may rely on (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return tuple(sorted(x for x in flags if x.startswith(_ISA_PREFIXES)))
-    except OSError:
-        pass
-    return ()
+    return tuple(sorted(x for x in read_cpu_flags() if x.startswith(_ISA_PREFIXES)))
 
 
 def gpu_present() -> bool:

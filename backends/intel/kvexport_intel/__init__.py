@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from kvexport.backends import Backend, BuildOptions, Capabilities, Progress
+from kvexport.backends import Backend, BuildOptions, Capabilities, Option, Progress, parse_bool
 from kvexport.doctor import cpu_info
 from kvexport.errors import ArtifactError, InputError, KvexportError
 from kvexport.manifest import Manifest
@@ -17,7 +17,16 @@ from kvexport_intel.session import KV_ITEM_BYTES, IntelSession
 ENGINE_DIR = "engine"
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16"}
 KV_PRECISIONS = ("f32", "f16", "u8")
-BUILD_OPTIONS = ("kv_precision", "numa_node", "numa_bind", "engine")
+KV_MODES = {"fp32": "f32", "fp16": "f16", "int8": "u8"}  # --kv -> OpenVINO's KV_CACHE_PRECISION
+OPTIONS = (
+    Option("numa_node", "str", None, "pin threads and memory to this NUMA node (a number, or auto)", phase="both"),
+    Option("numa_bind", "bool", True, "bind memory to the NUMA node the threads are pinned to", phase="both"),
+    Option("engine", "str", "openvino", "the engine to build (IPEX is end-of-life)", choices=("openvino", "ipex")),
+    Option("kv_precision", "str", None, "load the cache in another precision than built (f32, f16, u8); at build "
+           "it is another name for --kv", choices=KV_PRECISIONS, phase="load"),
+    Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
+           phase="load"),
+)
 
 
 class IntelBackendWarning(UserWarning):
@@ -52,10 +61,6 @@ def _numa_node(value: Any) -> int | None:
     return node
 
 
-def _flag(value: Any) -> bool:
-    return str(value).lower() not in ("0", "false", "no", "off")
-
-
 class IntelBackend(Backend):
     name = "intel"
 
@@ -69,6 +74,9 @@ class IntelBackend(Backend):
             default_precision=isa.auto_precision(isa.read_cpu_flags()),
             devices=("cpu",),
             sdk=("openvino",),
+            kv_modes=tuple(KV_MODES),
+            options=OPTIONS,
+            option_aliases={"kv_precision": ("kv", {v: k for k, v in KV_MODES.items()})},
         )
 
     def availability(self) -> list[str]:
@@ -89,19 +97,17 @@ class IntelBackend(Backend):
     def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
         """Trace the owned decoder (weights from the IR) into a stateful OpenVINO IR under engine/."""
         self.require_available()
-        extra = dict(options.extra)
-        extra.pop("defer", None)
-        unknown = sorted(set(extra) - set(BUILD_OPTIONS))
-        if unknown:
-            raise InputError(f"unknown intel options {unknown}; the intel target takes {', '.join(BUILD_OPTIONS)}")
-        if str(extra.get("engine", "openvino")).lower() != "openvino":
+        extra = self.build_options(options)
+        if extra["engine"] != "openvino":
             from kvexport_intel.ipex import require_ipex
 
             require_ipex()  # raises with the reason: IPEX is end-of-life and pinned to torch 2.8
             raise InputError("the intel target builds OpenVINO engines only; IPEX is end-of-life (see docs/backends/intel.md)")
         flags = isa.read_cpu_flags()
         precision = isa.normalize_precision(options.precision) if options.precision else isa.auto_precision(flags)
-        kv = _kv_precision(extra.get("kv_precision", "f32"))
+        # core hands the cache's mode in options.kv (--kv, or --option kv_precision, its alias); a direct
+        # caller of build may still pass kv_precision in options.extra
+        kv = _kv_precision(options.extra.get("kv_precision") or KV_MODES[options.kv or "fp32"])
         numa_node = _numa_node(extra.get("numa_node"))
         if numa_node is not None:
             numa.read_topology().node(numa_node)  # fail now, not at first load, for a node that does not exist
@@ -159,7 +165,7 @@ class IntelBackend(Backend):
                 "runtime_ops": {k: ops[k] for k in ("ScaledDotProductAttention", "MemoryInput", "MemoryOutput", "Concatenation")},
             },
             "options": {"threads": options.threads, "kv_precision": kv, "numa_node": numa_node,
-                        "numa_bind": _flag(extra.get("numa_bind", True)), "kv_precision_cost": kv_cost},
+                        "numa_bind": extra["numa_bind"], "kv_precision_cost": kv_cost},
         }
 
     # --- load -------------------------------------------------------------------------------
@@ -187,7 +193,7 @@ class IntelBackend(Backend):
         kv = _kv_precision(options.get("kv_precision", built.get("kv_precision", "f32")))
 
         placement = place(options.get("numa_node", built.get("numa_node")),
-                          _flag(options.get("numa_bind", built.get("numa_bind", True))))
+                          parse_bool("numa_bind", options.get("numa_bind", built.get("numa_bind", True))))
         threads = threads or built.get("threads") or placement["threads"]
         config = _compile_config(precision, kv, int(threads), pinned=True)
         core = ov.Core()  # made after pinning, so the plugin's CPU map sees the node's cores

@@ -1,8 +1,9 @@
 """CPU features that decide the intel target's precision: AMX and AVX512-BF16, read from /proc/cpuinfo."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
+
+from kvexport.doctor import read_cpu_flags  # noqa: F401 - the one reader of /proc/cpuinfo flags, kept here by name
 
 # The flags recorded in every artifact's fingerprint (Linux /proc/cpuinfo names).
 ISA_FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512f", "avx2")
@@ -11,19 +12,6 @@ ISA_FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512f", "avx2
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 PRECISIONS = ("fp32", "bf16")
 ALIASES = {"f32": "fp32", "float32": "fp32", "fp32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-
-
-def read_cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The `flags` of the first processor in /proc/cpuinfo (or of the given text)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def isa_report(flags: set[str]) -> dict[str, bool]:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvexport.backends import Backend, BuildOptions, Capabilities, Progress
+from kvexport.backends import Backend, BuildOptions, Capabilities, Option, Progress
 from kvexport.checkpoint import sha256_file
 from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, UnsupportedFeatureError
 from kvexport.manifest import Manifest
@@ -20,20 +20,13 @@ ENGINE_DIR = "engine"
 PREPARED = "prepared.onnx"  # the lowered IR: fp16/bf16, cache_len pinned, parser-ready
 PLAN = "model.plan"
 PRECISION_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}
-OPTIONS = {"defer", "max_prefill", "opt_prefill", "workspace_mb"}
-
-
-def _truthy(value: Any) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
-
-
-def _int_option(extra: dict[str, Any], key: str) -> int | None:
-    if extra.get(key) is None:
-        return None
-    try:
-        return int(extra[key])
-    except (TypeError, ValueError) as e:
-        raise InputError(f"--option {key}= takes an integer, got {extra[key]!r}") from e
+OPTIONS = (
+    Option("defer", "bool", False, "package the prepared IR; the engine is built at first load on the GPU"),
+    Option("max_prefill", "int", None, "longest prefill chunk the engine takes (default: max_seq)"),
+    Option("opt_prefill", "int", None, "the prefill length TensorRT tunes for"),
+    Option("workspace_mb", "int", None, "TensorRT builder workspace in MiB"),
+    Option("cuda_graph", "bool", True, "replay the decode step as a CUDA graph", phase="load"),
+)
 
 
 # --- what this machine has (module-level so tests can stand in for a GPU machine) ---------------
@@ -80,6 +73,9 @@ class NvidiaBackend(Backend):
             sdk=("tensorrt", "torch"),
             deferred_build=True,
             threads_option=False,
+            kv_modes=("fp16", "bf16"),
+            kv_follows_weights=True,  # the cache is in the engine's dtype
+            options=OPTIONS,
         )
 
     def availability(self) -> list[str]:
@@ -109,19 +105,16 @@ class NvidiaBackend(Backend):
         ir_dtype = manifest.raw["ir"]["dtype"]
         if ir_dtype not in ("float32", PRECISION_DTYPE[precision]):
             raise InputError(f"this IR is {ir_dtype}; a {precision} engine needs an fp32 or {precision} IR")
-        extra = dict(options.extra)
-        unknown = sorted(set(extra) - OPTIONS)
-        if unknown:
-            raise InputError(f"unknown nvidia option(s) {unknown}; supported: {', '.join(sorted(OPTIONS))}")
+        extra = self.build_options(options)
         problems = self.check(manifest)
         if problems:
             raise UnsupportedFeatureError("; ".join(problems))
-        defer = _truthy(extra.get("defer", False))
+        defer = extra["defer"]
         build_opts = {
             "max_batch": options.max_batch,
-            "max_prefill": _int_option(extra, "max_prefill") or manifest.max_seq,
-            "opt_prefill": _int_option(extra, "opt_prefill"),
-            "workspace_mb": _int_option(extra, "workspace_mb"),
+            "max_prefill": extra["max_prefill"] or manifest.max_seq,
+            "opt_prefill": extra["opt_prefill"],
+            "workspace_mb": extra["workspace_mb"],
         }
         profiles = make_profiles(manifest, max_batch=build_opts["max_batch"], max_prefill=build_opts["max_prefill"],
                                  opt_prefill=build_opts["opt_prefill"])
