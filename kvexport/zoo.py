@@ -3,7 +3,7 @@
 The embedded default model (`kvexport build` with no MODEL_DIR): a small Llama-style model trained
 on the Python standard library's sources, shipped in kvexport/default_model (see
 docs/default-model.md). Seeded random-init tiny configs of every registered family (tests) and
-`bench-125m` (benchmarks). Every checkpoint gets a byte-level tokenizer that decodes every id of
+`bench-125m` and `bench-1b` (benchmarks). Every checkpoint gets a byte-level tokenizer that decodes every id of
 its vocabulary to text.
 """
 from __future__ import annotations
@@ -79,6 +79,18 @@ BENCH_125M: dict[str, Any] = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
 
+# Llama-3.2-1B's shape (its llama3 RoPE scaling included), seeded random: quantized work and realistic sizes.
+BENCH_1B: dict[str, Any] = {
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+# shards a named model is written in unless --shard-mb says otherwise (bench-1b: ~4.9 GB fp32 in 5)
+DEFAULT_SHARD_BYTES: dict[str, int] = {"bench-1b": 2**30}
+
 # The embedded default: trained weights (kvexport/default_model), built in seconds.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 DEFAULT_MODEL: dict[str, Any] = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
@@ -87,6 +99,7 @@ _DEFAULT_FILES = ("tokenizer.json", "tokenizer_config.json", HELDOUT_FILE)
 
 NAMED_MODELS: dict[str, dict[str, Any]] = {
     "bench-125m": BENCH_125M,
+    "bench-1b": BENCH_1B,
     "default": DEFAULT_MODEL,
     **{f"tiny-{k}": v for k, v in TINY_CONFIGS.items()},
 }
@@ -166,36 +179,50 @@ def write_byte_tokenizer(out_dir: Path) -> None:
     write_tokenizer(out_dir, BYTE_VOCAB)
 
 
-def random_decoder(cfg: DecoderConfig, seed: int) -> Decoder:
+def _init_value(name: str, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
     """Seeded init scaled 1/sqrt(fan_in) so that activations and logits are O(1), not near-uniform."""
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if len(shape) == 1:
+        return 0.05 * torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g) / math.sqrt(shape[1])
+
+
+def random_decoder(cfg: DecoderConfig, seed: int) -> Decoder:
+    """The decoder that write_checkpoint(seed) writes, in memory."""
     g = torch.Generator().manual_seed(seed)
     dec = Decoder(cfg, max_seq=1)
     for name, p in dec.named_parameters():
         with torch.no_grad():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-            elif "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+            p.copy_(_init_value(name, p.shape, g))
     return dec
+
+
+def _hf_parts(cfg: DecoderConfig, canonical: str, p: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors (HF name, value) that one canonical parameter is written as."""
+    wm = get_arch(cfg.model_type).weights
+    source = wm.source(canonical)  # written through its transform's inverse
+    return [(wm.prefixes[0] + hf, part) for hf, part in zip(source.names, source.transform.save(p, cfg), strict=True)]
 
 
 def write_checkpoint(hf_config: dict[str, Any], out_dir: str | Path, *, seed: int = 0,
                      dtype: torch.dtype = torch.float32, shard_bytes: int | None = None) -> Path:
-    """Write a seeded random checkpoint folder that `transformers` and kvexport both load."""
+    """Write a seeded random checkpoint folder that `transformers` and kvexport both load.
+
+    Parameters are drawn one at a time and each shard is written as soon as it is complete, so
+    memory holds one shard, never the whole model (bench-1b is ~4.9 GB in fp32)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = map_config(hf_config)
-    wm = get_arch(cfg.model_type).weights
-    tensors: dict[str, torch.Tensor] = {}
-    for canonical, p in random_decoder(cfg, seed).named_parameters():
-        source = wm.source(canonical)  # written through its transform's inverse
-        for hf_name, part in zip(source.names, source.transform.save(p.detach(), cfg), strict=True):
-            tensors[wm.prefixes[0] + hf_name] = part.contiguous().to(dtype)
-    _save_tensors(tensors, out, shard_bytes)
+    with torch.device("meta"):  # names and shapes only: no memory, no draws
+        layout = Decoder(cfg, max_seq=1)
+    plan = [(n, t.numel() * dtype.itemsize) for c, p in layout.named_parameters() for n, t in _hf_parts(cfg, c, p)]
+    writer = _ShardWriter(out, plan, shard_bytes)
+    g = torch.Generator().manual_seed(seed)
+    for canonical, p in layout.named_parameters():  # the draws of random_decoder, in its order
+        for hf_name, part in _hf_parts(cfg, canonical, _init_value(canonical, p.shape, g)):
+            writer.add(hf_name, part.contiguous().to(dtype))
+    writer.close()
     cfg_out = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch."), "architectures": None}
     (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
     write_tokenizer(out, int(cfg.vocab_size))
@@ -219,25 +246,47 @@ def write_default(out_dir: str | Path, *, dtype: torch.dtype = torch.float32,
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], out: Path, shard_bytes: int | None) -> None:
-    if shard_bytes is None:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    writer = _ShardWriter(out, [(k, t.numel() * t.element_size()) for k, t in tensors.items()], shard_bytes)
     for k, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        writer.add(k, t)
+    writer.close()
+
+
+class _ShardWriter:
+    """Safetensors shards of at most shard_bytes (one file when None), planned from (name, bytes)
+    up front so that each shard is written, and its tensors dropped, once its last tensor arrives."""
+
+    def __init__(self, out: Path, plan: list[tuple[str, int]], shard_bytes: int | None):
+        self.out, self.total = out, sum(b for _, b in plan)
+        self.shards: list[list[str]] = [[]]
+        size = 0
+        for name, nbytes in plan:
+            if shard_bytes is not None and self.shards[-1] and size + nbytes > shard_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(name)
+            size += nbytes
+        self.shard_of = {name: i for i, names in enumerate(self.shards) for name in names}
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.sharded = shard_bytes is not None
+
+    def file_name(self, i: int) -> str:
+        return f"model-{i + 1:05d}-of-{len(self.shards):05d}.safetensors" if self.sharded else "model.safetensors"
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        i = self.shard_of[name]
+        held = self.pending.setdefault(i, {})
+        held[name] = tensor
+        if len(held) == len(self.shards[i]):
+            save_file(held, str(self.out / self.file_name(i)), metadata={"format": "pt"})
+            del self.pending[i]
+
+    def close(self) -> None:
+        assert not self.pending, f"tensors never given for shards {sorted(self.pending)}"
+        if self.sharded:
+            weight_map = {name: self.file_name(i) for name, i in self.shard_of.items()}
+            (self.out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": self.total},
+                                                           "weight_map": weight_map}, indent=2))
 
 
 def write_named(name: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -250,6 +299,8 @@ def write_named(name: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.d
         from kvexport.errors import InputError
 
         raise InputError(f"unknown model name {name!r}; choose one of {', '.join(sorted(NAMED_MODELS))}")
+    if shard_bytes is None:
+        shard_bytes = DEFAULT_SHARD_BYTES.get(name)
     if name == "default" and seed == DEFAULT_SEED:
         return write_default(out_dir, dtype=dtype, shard_bytes=shard_bytes)
     return write_checkpoint(NAMED_MODELS[name], out_dir, seed=seed, dtype=dtype, shard_bytes=shard_bytes)
