@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +67,14 @@ def example_inputs(decoder: nn.Module, batch: int, seq: int, cache_len: int, dty
     return (ids, pos, torch.zeros(batch, dtype=torch.long, device=device), mask, *caches)
 
 
-def export_program(decoder: nn.Module, *, max_batch: int, dtype: torch.dtype,
-                   device: str) -> torch.export.ExportedProgram:
-    """torch.export with dynamic batch and seq; cache_len static at max_seq (graph capture needs it)."""
+def export_program(decoder: nn.Module, *, max_batch: int, dtype: torch.dtype, device: str,
+                   transform: Callable[[nn.Module], None] | None = None) -> torch.export.ExportedProgram:
+    """torch.export with dynamic batch and seq; cache_len static at max_seq (graph capture needs it).
+    transform (quant.quantize_linears) runs after the cast to dtype, so that it keeps its own dtypes."""
     cache_len = decoder.max_seq
     decoder = decoder.to(device=device, dtype=dtype)  # rope tables follow: apply_rope keeps the model dtype
+    if transform is not None:
+        transform(decoder)
     Dim = torch.export.Dim
     # batch 2 and seq 3 as examples so neither is specialised to 1; a limit of 1 keeps it static
     batch = Dim("batch", min=1, max=max_batch) if max_batch > 1 else None

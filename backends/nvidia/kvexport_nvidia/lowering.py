@@ -20,6 +20,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kvexport.errors import UnsupportedFeatureError
+from kvexport_nvidia.quantize import WeightMode, check_mode, initializer_bytes, quantize_weights
 
 Precision = Literal["fp16", "bf16", "fp32"]
 ELEM = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16, "fp32": TensorProto.FLOAT}
@@ -30,7 +31,8 @@ CACHE_DIM = "cache_len"
 # Op types of the static IR that TensorRT 10.15+ imports (docs: onnx-tensorrt operators.md). A
 # graph holding anything else is refused before a long build, naming the op.
 PARSER_OPS = frozenset({
-    "Add", "Attention", "Cast", "Concat", "Constant", "ConstantOfShape", "Div", "Equal", "Erf", "Expand",
+    "Add", "Attention", "Cast", "Concat", "Constant", "ConstantOfShape", "DequantizeLinear", "Div", "Equal", "Erf",
+    "Expand",
     "Gather", "Gelu", "Identity", "LayerNormalization", "MatMul", "Mul", "Neg", "Pow", "RMSNormalization",
     "Reshape", "RotaryEmbedding", "Shape", "Sigmoid", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub",
     "Tanh", "TensorScatter", "Transpose", "Unsqueeze", "Where", "Relu", "ReduceMean", "Tile", "Range",
@@ -48,6 +50,8 @@ class LoweringReport:
     identities_folded: int = 0
     fp16_clipped: int = 0
     ops: dict[str, int] = field(default_factory=dict)
+    weights: dict | None = None  # quantize.WeightReport of an int8/int4 build
+    initializer_bytes: int = 0  # weights (int4 at half a byte), scales and tables of the prepared graph
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -238,8 +242,12 @@ def convert_precision(model: onnx.ModelProto, precision: Precision) -> int:
 
 # --- the whole lowering ---------------------------------------------------------------------
 def lower(model: onnx.ModelProto, *, max_seq: int, precision: Precision, pairs: list[tuple[str, str]],
-          check: bool = True) -> LoweringReport:
-    """Run every pass in place, in order; raise UnsupportedFeatureError before any engine build."""
+          check: bool = True, weights: WeightMode | None = None, group_size: int | None = None) -> LoweringReport:
+    """Run every pass in place, in order; raise UnsupportedFeatureError before any engine build.
+    weights int8/int4: MatMul weights through DequantizeLinear (kvexport_nvidia.quantize), from the
+    fp32 values, before the float weights and the scales become `precision`."""
+    if weights is not None:
+        check_mode(weights, group_size)
     report = LoweringReport(precision=precision, max_seq=max_seq)
     report.ops = check_ops(model)
     report.attention_outputs_trimmed = trim_attention_outputs(model)
@@ -247,16 +255,21 @@ def lower(model: onnx.ModelProto, *, max_seq: int, precision: Precision, pairs: 
     check_cache_io(model, pairs)
     pin_cache_len(model, max_seq)
     report.rope_rewritten = rope_to_bnsh(model)
+    if weights is not None:
+        report.weights = quantize_weights(model, weights, group_size).to_dict()
     report.fp16_clipped = convert_precision(model, precision)
+    report.initializer_bytes = initializer_bytes(model)
     if check:
         onnx.checker.check_model(model, full_check=False)
     return report
 
 
-def lower_file(src: Path, dst: Path, *, max_seq: int, precision: Precision, pairs: list[tuple[str, str]]) -> LoweringReport:
+def lower_file(src: Path, dst: Path, *, max_seq: int, precision: Precision, pairs: list[tuple[str, str]],
+               weights: WeightMode | None = None, group_size: int | None = None) -> LoweringReport:
     """Read the artifact's IR (with its external weights), lower it, write dst + dst.data."""
     model = onnx.load(str(src), load_external_data=True)
-    report = lower(model, max_seq=max_seq, precision=precision, pairs=pairs, check=False)
+    report = lower(model, max_seq=max_seq, precision=precision, pairs=pairs, check=False, weights=weights,
+                   group_size=group_size)
     dst.parent.mkdir(parents=True, exist_ok=True)
     data = dst.name + ".data"
     (dst.parent / data).unlink(missing_ok=True)

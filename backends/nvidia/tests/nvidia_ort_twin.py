@@ -28,11 +28,20 @@ class TwinState:
     held: int = 0
 
 
+def twin_options() -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 1
+    # ONNX Runtime fuses DequantizeLinear(int8/int4) + MatMul into MatMulNBits, by default at accuracy
+    # level 4 (activations quantized to int8): a rounding TensorRT's weight-only GEMM does not do. Level 0
+    # keeps the activations in float, as TensorRT's dequantize-then-GEMM does.
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    return so
+
+
 class OrtTwinSession(Session):
     def __init__(self, onnx_path: Path, manifest: Manifest):
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.intra_op_num_threads = 1
+        so = twin_options()
         self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
         self.max_seq, self.vocab_size = manifest.max_seq, manifest.config.vocab_size
         self.pairs = manifest.kv_pairs()

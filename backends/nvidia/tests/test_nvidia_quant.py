@@ -1,0 +1,96 @@
+"""nvidia int8/int4 weights: the DequantizeLinear the lowering writes, its numerics on ONNX Runtime, the errors."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kvexport.errors import InputError
+from kvexport_nvidia import quantize as q
+
+from nvidia_ort_twin import twin_options
+
+
+def _matmul_model(shapes: dict[str, tuple[int, int]]) -> onnx.ModelProto:
+    """x (1, K) through one MatMul per named weight (K, N), each output a graph output."""
+    rng = np.random.default_rng(0)
+    nodes, inits, outs = [], [], []
+    K = next(iter(shapes.values()))[0]
+    for name, (k, n) in shapes.items():
+        assert k == K
+        w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"{name}/weight_t"))
+        nodes.append(helper.make_node("MatMul", ["x", f"{name}/weight_t"], [f"{name}_y"], name=f"{name}/MatMul_0"))
+        outs.append(helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, [1, n]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])], outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])
+    model.ir_version = 11
+    return model
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
+    sess = ort.InferenceSession(model.SerializeToString(), twin_options(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})
+
+
+def test_int4_weights_are_blocked_dequantize_of_packed_int4_and_run_as_numpy_says() -> None:
+    """Every int4 weight: an INT4 initializer (K, N), a (K/g, N) scale, DequantizeLinear axis 0 with block_size g,
+    no zero point (TensorRT takes symmetric only); ONNX Runtime's result is the numpy dequantized matmul."""
+    model = _matmul_model({"layers.0.mlp.up": (64, 48), "layers.0.mlp.odd": (64, 40), "lm_head": (64, 24)})
+    fp = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+    ref = _run(model, x)
+    report = q.quantize_weights(model, "int4", 32)
+    assert (report.int4_layers, report.int8_layers, report.int8_instead_of_int4) == (2, 1, ["lm_head/MatMul_0"])
+    inits = {i.name: i for i in model.graph.initializer}
+    assert not any(name.endswith("/weight_t") for name in inits)  # the fp32 weights are gone
+    dqs = {n.name: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    up = dqs["layers.0.mlp.up/MatMul_0/DequantizeLinear"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in up.attribute}
+    assert attrs == {"axis": 0, "block_size": 32} and len(up.input) == 2
+    qw, scale = inits[up.input[0]], numpy_helper.to_array(inits[up.input[1]])
+    assert qw.data_type == TensorProto.INT4 and list(qw.dims) == [64, 48] and scale.shape == (2, 48)
+    assert len(qw.raw_data) == 64 * 48 // 2
+    values = numpy_helper.to_array(qw).astype(np.int8)
+    assert values.min() >= -7 and values.max() <= 7
+    # the first value of each byte sits in its low nibble (TensorRT's and ONNX's INT4 layout)
+    first = int(qw.raw_data[0])
+    assert ((first & 0xF) ^ 8) - 8 == values.reshape(-1)[0] and ((first >> 4) ^ 8) - 8 == values.reshape(-1)[1]
+    deq = q.dequantize(values, scale, 32)
+    assert np.abs(deq - fp["layers.0.mlp.up/weight_t"]).max() <= scale.max() / 2 + 1e-7  # round to nearest
+    head = dqs["lm_head/MatMul_0/DequantizeLinear"]
+    assert {a.name: helper.get_attribute_value(a) for a in head.attribute} == {"axis": 1}
+    assert inits[head.input[0]].data_type == TensorProto.INT8 and list(inits[head.input[1]].dims) == [24]
+    onnx.checker.check_model(model, full_check=True)
+    got = _run(model, x)
+    np.testing.assert_allclose(got[0], x @ deq, rtol=1e-5, atol=1e-5)
+    for g, r in zip(got, ref):  # int4 at group 32 on 0.05-scale weights: close to fp32, not equal
+        assert 0 < np.abs(g - r).max() < 0.1
+
+
+def test_int4_falls_back_to_int8_where_k_is_not_a_multiple_of_the_group() -> None:
+    model = _matmul_model({"layers.0.mlp.down": (96, 16)})
+    report = q.quantize_weights(model, "int4", 64)
+    assert report.int4_layers == 0 and report.int8_instead_of_int4 == ["layers.0.mlp.down/MatMul_0"]
+    assert {i.data_type for i in model.graph.initializer} == {TensorProto.INT8, TensorProto.FLOAT}
+
+
+def test_int8_is_per_output_channel() -> None:
+    model = _matmul_model({"a": (64, 32)})
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    report = q.quantize_weights(model, "int8", None)
+    assert (report.int8_layers, report.group_size) == (1, None)
+    dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear")
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    values, scale = inits[dq.input[0]], inits[dq.input[1]]
+    assert values.dtype == np.int8 and scale.shape == (32,)
+    np.testing.assert_allclose(scale, np.abs(w).max(axis=0) / 127, rtol=1e-6)
+    assert np.abs(q.dequantize(values, scale, None) - w).max() <= scale.max() / 2 + 1e-7
+
+
+def test_bad_modes_are_input_errors() -> None:
+    for mode, group in (("int4", 48), ("int4", None), ("int2", 32)):
+        with pytest.raises(InputError, match="int4|int8"):
+            q.quantize_weights(_matmul_model({"a": (64, 16)}), mode, group)  # type: ignore[arg-type]
