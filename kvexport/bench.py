@@ -6,6 +6,7 @@ import resource
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,44 +68,152 @@ def linear_shapes(cfg: DecoderConfig) -> list[tuple[int, int]]:
     return layer * cfg.num_hidden_layers + [(h, cfg.vocab_size)]
 
 
+@dataclass(frozen=True)
+class Gemv:
+    """One weight matrix of a decode step as its engine multiplies it: fp32 MatMul (bits None) or
+    MatMulNBits with `bits`-bit blocks of `block_size` rows sharing one scale."""
+
+    k: int
+    n: int
+    bits: int | None = None
+    block_size: int = 0
+    accuracy_level: int = 0
+    zero_points: bool = False
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.k // self.block_size)
+
+    @property
+    def nbytes(self) -> int:
+        if self.bits is None:
+            return self.k * self.n * 4
+        zp = self.n * -(-self.blocks * self.bits // 8) if self.zero_points else 0
+        return self.n * self.blocks * (self.block_size * self.bits // 8 + 4) + zp
+
+    def tag(self) -> str:
+        return "fp32" if self.bits is None else f"int{self.bits}-g{self.block_size}"
+
+
+def fp32_gemvs(cfg: DecoderConfig) -> list[Gemv]:
+    return [Gemv(k, n) for k, n in linear_shapes(cfg)]
+
+
+def nominal_gemvs(cfg: DecoderConfig, weights: str, group_size: int | None) -> list[Gemv]:
+    """Every matrix at the artifact's recorded mode: what a floor can assume of an engine it cannot read."""
+    bits = {"int8": 8, "int4": 4}.get(weights)
+    if bits is None or not group_size:
+        return fp32_gemvs(cfg)
+    return [Gemv(k, n, bits, group_size) for k, n in linear_shapes(cfg)]
+
+
+def onnx_gemvs(path: Path) -> list[Gemv]:
+    """The MatMulNBits nodes of an ONNX engine graph (K, N, bits, block size, accuracy level, zero
+    points as the engine has them) and its MatMuls by a 2-D fp32 weight; weights are not read."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    out = []
+    for node in model.graph.node:
+        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+        if node.op_type == "MatMulNBits":
+            zp = len(node.input) > 3 and node.input[3] != ""
+            out.append(Gemv(int(a["K"]), int(a["N"]), int(a["bits"]), int(a["block_size"]),
+                            int(a.get("accuracy_level", 0)), zp))
+        elif node.op_type == "MatMul" and node.input[1] in inits:
+            w = inits[node.input[1]]
+            if len(w.dims) == 2 and w.data_type == onnx.TensorProto.FLOAT:
+                out.append(Gemv(int(w.dims[0]), int(w.dims[1])))
+    return out
+
+
+def engine_gemvs(engine: Engine) -> list[Gemv]:
+    """The weight matrices `engine` reads per step, as its kernels take them: read from its ONNX engine
+    graph when it has one with quantized weights, else the matrices of its recorded weight mode."""
+    target = engine.manifest.target or {}
+    weights = target.get("weights") or {"dtype": target.get("precision", "fp32"), "group_size": None}
+    if weights["dtype"] in ("int8", "int4"):
+        graphs = [f for f in target.get("engine_files", []) if f.endswith(".onnx")]
+        found = onnx_gemvs(engine.folder / graphs[0]) if graphs else []
+        if any(g.bits is not None for g in found):
+            return found
+    return nominal_gemvs(engine.config, str(weights["dtype"]), weights.get("group_size"))
+
+
+def floor_label(gemvs: list[Gemv]) -> str:
+    """`fp32`, `int4-g32`, or the mix by bytes, e.g. `int4-g32 + int8-g32 (1 matrix)`."""
+    tags: dict[str, int] = {}
+    for g in gemvs:
+        tags[g.tag()] = tags.get(g.tag(), 0) + 1
+    order = sorted(tags, key=lambda t: -sum(g.nbytes for g in gemvs if g.tag() == t))
+    return order[0] + "".join(f" + {t} ({tags[t]} {'matrix' if tags[t] == 1 else 'matrices'})" for t in order[1:])
+
+
 class GemvFloor:
-    """A decode step that does nothing but read its weights: one ONNX Runtime MatMul (M=1) per
-    weight matrix of `linear_shapes`, random fp32 weights, the engine's threads and session options.
+    """A decode step that does nothing but read its weights: one ONNX Runtime MatMul (M=1) per fp32
+    weight matrix, one MatMulNBits per quantized one (random weights, the engine's bits, block size,
+    accuracy level and zero points), the engine's threads and session options.
 
     An engine can approach this rate, not pass it: what separates them is everything else a step
     does (attention over the cache, norms, rotary, kernel launches, Python). The bandwidth bound
     says what the memory could give; this says what the matrix kernels on this machine do give.
     The weights go through an external-data file so no 2 GB protobuf is built in memory."""
 
-    def __init__(self, cfg: DecoderConfig, threads: int, seed: int = 0):
+    def __init__(self, cfg: DecoderConfig | None, threads: int, seed: int = 0, gemvs: list[Gemv] | None = None):
         import onnx
         import onnxruntime as ort
         from onnx import TensorProto, helper
 
         from kvexport.backends.cpu import session_options
 
-        self.shapes = linear_shapes(cfg)
+        if gemvs is None:
+            assert cfg is not None, "GemvFloor needs a config or its matrices"
+            gemvs = fp32_gemvs(cfg)
+        self.gemvs = gemvs
+        self.shapes = [(g.k, g.n) for g in gemvs]
+        self.label = floor_label(gemvs)
         rng = np.random.default_rng(seed)
         nodes, inits, outputs = [], [], []
         with tempfile.TemporaryDirectory(prefix="kvexport-floor-") as tmp:
             offset = 0
             with open(Path(tmp) / "w.bin", "wb") as f:
-                for i, (k, n) in enumerate(self.shapes):
-                    w = rng.standard_normal((k, n), dtype=np.float32)
+
+                def external(name: str, w: np.ndarray, dtype: int) -> str:
+                    nonlocal offset
                     w.tofile(f)
-                    t = TensorProto(name=f"w{i}", data_type=TensorProto.FLOAT, dims=[k, n],
-                                    data_location=TensorProto.EXTERNAL)
+                    t = TensorProto(name=name, data_type=dtype, dims=list(w.shape), data_location=TensorProto.EXTERNAL)
                     for key, value in (("location", "w.bin"), ("offset", str(offset)), ("length", str(w.nbytes))):
                         t.external_data.add(key=key, value=value)
                     offset += w.nbytes
                     inits.append(t)
-                    nodes.append(helper.make_node("MatMul", [f"x{k}", f"w{i}"], [f"y{i}"]))
-                    outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, n]))
+                    return name
+
+                for i, g in enumerate(gemvs):
+                    if g.bits is None:
+                        w = external(f"w{i}", rng.standard_normal((g.k, g.n), dtype=np.float32), TensorProto.FLOAT)
+                        nodes.append(helper.make_node("MatMul", [f"x{g.k}", w], [f"y{i}"]))
+                    else:  # (N, blocks, bytes per block) packed weights, one fp32 scale per block
+                        blob = g.block_size * g.bits // 8
+                        ins = [f"x{g.k}",
+                               external(f"w{i}", rng.integers(0, 256, (g.n, g.blocks, blob), dtype=np.uint8),
+                                        TensorProto.UINT8),
+                               external(f"s{i}", (0.01 * rng.random(g.n * g.blocks, dtype=np.float32) + 1e-3),
+                                        TensorProto.FLOAT)]
+                        if g.zero_points:
+                            ins.append(external(f"z{i}", rng.integers(0, 256, g.n * -(-g.blocks * g.bits // 8),
+                                                                      dtype=np.uint8), TensorProto.UINT8))
+                        nodes.append(helper.make_node("MatMulNBits", ins, [f"y{i}"], domain="com.microsoft",
+                                                      K=g.k, N=g.n, bits=g.bits, block_size=g.block_size,
+                                                      accuracy_level=g.accuracy_level))
+                    outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, g.n]))
             ks = sorted({k for k, _ in self.shapes})
             graph = helper.make_graph(nodes, "gemv_floor",
                                       [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, k]) for k in ks],
                                       outputs, inits)
-            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                            helper.make_opsetid("com.microsoft", 1)], ir_version=10)
             onnx.save_model(model, str(Path(tmp) / "floor.onnx"))
             # ONNX Runtime pre-packs each weight into memory of its own while the session is made
             self.sess = ort.InferenceSession(str(Path(tmp) / "floor.onnx"), session_options(threads),
@@ -120,7 +229,7 @@ class GemvFloor:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(k * n for k, n in self.shapes) * 4
+        return sum(g.nbytes for g in self.gemvs)
 
     def measure(self, steps: int = 20) -> float:
         """Steps per second over `steps` back-to-back steps (a rate over a run, like decode tok/s)."""
@@ -129,6 +238,41 @@ class GemvFloor:
         for _ in range(steps):
             self.sess.run_with_iobinding(self.binding)
         return steps / (time.perf_counter() - t)
+
+
+def parse_prompt_lens(text: str) -> tuple[int, ...]:
+    """`32,512,4096` -> (32, 512, 4096); anything else is refused before an engine is loaded."""
+    from kvexport.errors import InputError
+
+    try:
+        lens = tuple(int(x) for x in text.split(","))
+    except ValueError as e:
+        raise InputError(f"--prompt-lens takes comma-separated token counts such as 32,512,4096, not {text!r}") from e
+    if not lens or min(lens) < 1:
+        raise InputError(f"--prompt-lens takes positive token counts, not {text!r}")
+    return lens
+
+
+def check_comparable(main: Path, others: list[Path]) -> None:
+    """Ratios between artifacts mean something only for one model: every --compare artifact must hold the
+    main one's model config (its weight and cache modes, max_seq and target may differ). Reads manifests only."""
+    from kvexport.errors import InputError
+    from kvexport.manifest import read
+
+    want = read(Path(main)).raw["model"]["config"]
+    for other in others:
+        got = read(Path(other)).raw["model"]["config"]
+        diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        if diff:
+            raise InputError(f"--compare {other} holds another model than {main} (config differs in "
+                             f"{', '.join(diff[:6])}); compare artifacts built from one checkpoint")
+
+
+def mode_of(engine: Engine) -> str:
+    """The artifact's precision key (`fp32`, `int8`, `int4-g32+kv-int8`, ...) from its manifest target."""
+    from kvexport.tolerances import precision_key
+
+    return precision_key(engine.manifest.target or {})
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -230,30 +374,40 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
         "prompts": {},
     }
     bw = 0.0  # best read bandwidth seen in any round: the bound is an upper limit, so take the highest
-    itemsize = 4 if engine.manifest.cache["dtype"] == "float32" else 2
+    timed = [("engine", engine), *((f"other:{label}", other) for label, other in others or [])]
+    modes = {key: mode_of(e) for key, e in timed}
+    itemsize = 4 if engine.manifest.cache["dtype"] == "float32" else 2  # the cache's (an int8 cache: see kv_cache_bytes)
+    gemvs = {key: engine_gemvs(e) for key, e in timed}
     # per token: every weight matrix is read once (the embedding tables are gathered, one row each)
-    weight_bytes = sum(k * n for k, n in linear_shapes(cfg)) * itemsize
+    weight_bytes = sum(g.nbytes for g in gemvs["engine"])
     probe = BandwidthProbe(threads)  # before the baseline: its RSS is not the transformers model's
+    floors: dict[str, GemvFloor] = {}  # one per kind of weights among the engines, by label
+    floor_of: dict[str, str] = {}
     if floor:
-        say("preparing the GEMV floor (the model's weight shapes as bare ONNX Runtime MatMuls)")
-    gemv = GemvFloor(cfg, threads) if floor else None
+        for key, _ in timed:
+            label = floor_label(gemvs[key])
+            if label not in floors:
+                say(f"preparing the {label} GEMV floor (the step's weight matrices alone, in ONNX Runtime)")
+                floors[label] = GemvFloor(None, threads, gemvs=gemvs[key])
+            floor_of[key] = label
     hf = HFBaseline(reference, threads) if baselines and reference is not None else None
     engine_rss = 0.0
     for p in prompt_lens:
         if p + new_tokens > engine.max_seq:
             say(f"skip prompt {p}: exceeds max_seq {engine.max_seq}")
             continue
-        runs: dict[str, list[dict[str, Any]]] = {"engine": [], "hf_cache": []}
-        floor_rate = 0.0  # the floor's best round at this prompt, timed just before the engine
+        runs: dict[str, list[dict[str, Any]]] = {key: [] for key, _ in timed}
+        runs["hf_cache"] = []
+        floor_rates = dict.fromkeys(floors, 0.0)  # each floor's best round at this prompt, timed before the engines
         for r in range(rounds):
             say(f"prompt {p}, round {r + 1}/{rounds}")
             bw = max(bw, probe.measure())
-            if gemv is not None:
-                floor_rate = max(floor_rate, gemv.measure())
-            runs["engine"].append(bench_engine(engine, p, new_tokens))
-            engine_rss = max(engine_rss, rss_mb())
-            for label, other in others or []:
-                runs.setdefault(f"other:{label}", []).append(bench_engine(other, p, new_tokens))
+            for label, f in floors.items():
+                floor_rates[label] = max(floor_rates[label], f.measure())
+            for key, e in timed:
+                runs[key].append(bench_engine(e, p, new_tokens))
+                if key == "engine":
+                    engine_rss = max(engine_rss, rss_mb())
             if hf is not None:
                 runs["hf_cache"].append(hf.run(p, new_tokens, True))
         row: dict[str, Any] = {k: _best(v) for k, v in runs.items() if v}
@@ -261,11 +415,27 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
         bound = bw * 1e9 / (weight_bytes + kv_read)
         row["bandwidth_bound_tok_s"] = bound
         row["fraction_of_bound"] = row["engine"]["decode_tok_s"] / bound
-        if gemv is not None:
-            row["gemv_floor_tok_s"] = floor_rate
-            row["fraction_of_floor"] = row["engine"]["decode_tok_s"] / floor_rate
-        for k in [k for k in row if k.startswith("other:")]:
-            row[k]["decode_ratio_vs_main"] = row[k]["decode_tok_s"] / row["engine"]["decode_tok_s"]
+        if floors:
+            main_floor = floor_rates[floor_of["engine"]]
+            row["gemv_floor_tok_s"] = main_floor
+            row["fraction_of_floor"] = row["engine"]["decode_tok_s"] / main_floor
+            row["floors"] = {label: {"tok_s": rate, "weight_bytes": floors[label].weight_bytes,
+                                     "ratio_vs_main_floor": rate / main_floor} for label, rate in floor_rates.items()}
+        for key, _ in timed:
+            row[key]["mode"] = modes[key]
+            if key in floor_of:
+                row[key]["floor"] = floor_of[key]
+                row[key]["fraction_of_own_floor"] = row[key]["decode_tok_s"] / floor_rates[floor_of[key]]
+        for key, _ in timed[1:]:
+            o, e = row[key], row["engine"]
+            # each round's runs are back to back: the median of the paired ratios is the figure the host's drift moves least
+            paired = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(runs[key], runs["engine"])]
+            o["decode_ratio_vs_main"] = o["decode_tok_s"] / e["decode_tok_s"]
+            o["decode_ratio_vs_main_per_round"] = paired
+            o["decode_ratio_vs_main_median_round"] = float(np.median(paired))
+            o["ttft_ratio_vs_main"] = o["ttft_s"] / e["ttft_s"]
+            if key in floor_of:  # how much of what its floor gains over the main one's the engine keeps
+                o["floor_ratio_vs_main"] = floor_rates[floor_of[key]] / floor_rates[floor_of["engine"]]
         if hf is not None:
             say(f"prompt {p}: transformers eager without cache")
             row["hf_nocache"] = hf.run(p, new_tokens, False)
@@ -284,8 +454,8 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
                 "kv_bytes_vs_hf_cache": (None if e["kv_cache_bytes"] is None
                                          else e["kv_cache_bytes"] / h["kv_cache_bytes"]),
             }
-            if gemv is not None:  # the most any engine on these MatMul kernels could show against transformers
-                row["ratios"]["floor_vs_hf_cache"] = floor_rate / h["decode_tok_s"]
+            if floors:  # the most any engine on these kernels could show against transformers
+                row["ratios"]["floor_vs_hf_cache"] = row["gemv_floor_tok_s"] / h["decode_tok_s"]
         report["prompts"][str(p)] = row
     report["read_bandwidth_gbs"] = bw
     report["rss_mb_engine"] = engine_rss
@@ -314,16 +484,27 @@ def format_report(r: dict[str, Any]) -> str:
         e = row["engine"]
         lines.append(f"prompt {p}:")
         lines.append(f"  engine      decode {e['decode_tok_s']:7.1f} tok/s   ttft {e['ttft_s'] * 1e3:7.1f} ms   {_kv(e)}"
-                     + (f"   python overhead {e['python_overhead'] * 100:.1f}%" if e["python_overhead"] is not None else ""))
+                     + (f"   python overhead {e['python_overhead'] * 100:.1f}%" if e["python_overhead"] is not None else "")
+                     + (f"   [{e['mode']}]" if "mode" in e else ""))
         lines.append(f"  bound       {row['bandwidth_bound_tok_s']:7.1f} tok/s (weights + KV / bandwidth): "
                      f"engine reaches {row['fraction_of_bound'] * 100:.0f}%")
-        if "gemv_floor_tok_s" in row:
-            lines.append(f"  floor       {row['gemv_floor_tok_s']:7.1f} tok/s (the weight GEMVs alone, ONNX Runtime MatMul): "
-                         f"engine reaches {row['fraction_of_floor'] * 100:.0f}%")
+        for label, f in row.get("floors", {}).items():
+            kernel = "MatMul" if label == "fp32" else "MatMulNBits"
+            lines.append(f"  floor       {f['tok_s']:7.1f} tok/s (the weight GEMVs alone, ONNX Runtime {kernel}, {label}, "
+                         f"{f['weight_bytes'] / 2**20:.0f} MiB)" + ("" if label != e.get("floor") else
+                                                                   f": engine reaches {row['fraction_of_floor'] * 100:.0f}%"))
         for k, v in row.items():
             if k.startswith("other:"):
-                lines.append(f"  {k[6:]}: decode {v['decode_tok_s']:.1f} tok/s = {v['decode_ratio_vs_main']:.3f}x the main "
-                             f"engine, ttft {v['ttft_s'] * 1e3:.1f} ms, {_kv(v)}")
+                rounds = ", ".join(f"{x:.2f}" for x in v["decode_ratio_vs_main_per_round"])
+                lines.append(f"  {k[6:]}" + (f" [{v['mode']}]" if "mode" in v else "") + ":")
+                lines.append(f"      decode {v['decode_tok_s']:.1f} tok/s = {v['decode_ratio_vs_main']:.3f}x the main engine "
+                             f"(per round {rounds}, median {v['decode_ratio_vs_main_median_round']:.3f}x), "
+                             f"ttft {v['ttft_s'] * 1e3:.1f} ms = {v['ttft_ratio_vs_main']:.2f}x, {_kv(v)}")
+                if "fraction_of_own_floor" in v:
+                    lines.append(f"      reaches {v['fraction_of_own_floor'] * 100:.0f}% of its {v['floor']} floor; its floor is "
+                                 f"{v['floor_ratio_vs_main']:.2f}x the main engine's, its decode "
+                                 f"{v['decode_ratio_vs_main']:.2f}x ({v['decode_ratio_vs_main'] / v['floor_ratio_vs_main'] * 100:.0f}% "
+                                 "of the floors' ratio)")
         if "ratios" in row:
             h, hn, q = row["hf_cache"], row["hf_nocache"], row["ratios"]
             lines.append(f"  HF eager    decode {h['decode_tok_s']:7.1f} tok/s   ttft {h['ttft_s'] * 1e3:7.1f} ms")

@@ -348,14 +348,15 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from kvexport.bench import rss_mb, format_report, run_bench
+    from kvexport.bench import check_comparable, format_report, parse_prompt_lens, rss_mb, run_bench
 
     # bad arguments are refused before any engine is loaded
     if a.rounds < 1:
         raise InputError(f"--rounds must be at least 1, got {a.rounds}")
     if a.reference is not None and not Path(a.reference).is_dir():
         raise InputError(f"--reference {a.reference} is not a checkpoint folder")
-    prompts = tuple(int(x) for x in a.prompts.split(","))
+    prompts = parse_prompt_lens(a.prompts)
+    check_comparable(Path(a.artifact), [Path(p) for p in a.compare])
     rss0 = rss_mb()
     engine = _load(a.artifact, a, a.threads)
     engine_load_rss = rss_mb() - rss0
@@ -529,7 +530,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--compare", action="append", default=[], help="another artifact to time in the same run")
     s.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="also time this artifact loaded with these load options (e.g. kv_precision=u8)")
-    s.add_argument("--prompts", default="32,512")
+    s.add_argument("--prompt-lens", "--prompts", dest="prompts", default="32,512",
+                   help="prompt lengths in tokens, comma-separated (default 32,512; add 4096 for cache work)")
     s.add_argument("--new-tokens", type=int, default=64)
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--rounds", type=int, default=3,

@@ -1,15 +1,18 @@
 """`kvexport bench`'s floor: the weight matrices a decode step reads, timed alone."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from kvexport.architectures import map_config
-from kvexport.bench import GemvFloor, linear_shapes
-from kvexport.zoo import TINY_CONFIGS, write_checkpoint
+from kvexport.architectures import get_arch, map_config
+from kvexport.bench import (Gemv, GemvFloor, check_comparable, format_report, fp32_gemvs, linear_shapes, nominal_gemvs,
+                            onnx_gemvs, parse_prompt_lens, run_bench)
+from kvexport.errors import InputError
+from kvexport.zoo import NAMED_MODELS, TINY_CONFIGS, write_checkpoint
 
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
@@ -17,8 +20,10 @@ def test_linear_shapes_cover_every_weight_matrix_of_the_checkpoint(family: str, 
     cfg = map_config(TINY_CONFIGS[family])
     folder = write_checkpoint(TINY_CONFIGS[family], tmp_path / family)
     tensors = load_file(str(folder / "model.safetensors"))
-    gathered = ("embed_tokens", "wte", "wpe")  # tables a step gathers one row of
-    read = sum(t.size for name, t in tensors.items() if t.ndim == 2 and not any(g in name for g in gathered))
+    wm = get_arch(cfg.model_type).weights
+    # the tables a step gathers one row of, by the family's own names
+    gathered = {n for c in ("embed_tokens.weight", "embed_positions.weight") if c in wm.globals for n in wm.source(c).names}
+    read = sum(t.size for name, t in tensors.items() if t.ndim == 2 and not any(name.endswith(g) for g in gathered))
     if cfg.tie_word_embeddings:  # the lm_head is the embedding table, read whole
         read += cfg.vocab_size * cfg.hidden_size
     assert sum(k * n for k, n in linear_shapes(cfg)) == read
@@ -33,3 +38,114 @@ def test_gemv_floor_runs_one_matmul_per_shape() -> None:
     assert floor.measure(steps=3) > 0
     outputs = floor._buffers[-len(shapes):]
     assert all(np.isfinite(y).all() and np.abs(y).max() > 0 for y in outputs)  # the MatMuls wrote their outputs
+
+
+def test_quantized_floor_runs_one_matmulnbits_per_matrix_at_its_bits_and_block_size() -> None:
+    gemvs = [Gemv(64, 128, 4, 32), Gemv(128, 64, 8, 32, zero_points=True), Gemv(64, 320)]
+    floor = GemvFloor(None, threads=1, gemvs=gemvs)
+    # int4 g32: 2 blocks of 16 bytes + a 4-byte scale per column; int8 g32 with zero points: 4 blocks of
+    # 32 bytes + scale, and one zero-point byte per block; fp32: 4 bytes per weight
+    assert floor.weight_bytes == 128 * 2 * (16 + 4) + 64 * 4 * (32 + 4) + 64 * 4 + 64 * 320 * 4
+    assert floor.label == "fp32 + int8-g32 (1 matrix) + int4-g32 (1 matrix)"
+    assert floor.measure(steps=3) > 0
+    outputs = floor._buffers[-len(gemvs):]
+    assert all(np.isfinite(y).all() and np.abs(y).max() > 0 for y in outputs)
+
+
+def test_engine_matrices_are_read_from_the_quantizer_output_graph(tmp_path: Path) -> None:
+    """onnx_gemvs finds each MatMulNBits the onnxruntime quantizer wrote, with its K, N, bits, block size
+    and zero points, and keeps a MatMul the quantizer left in fp32."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(0)
+    w1, w2, w3 = (rng.standard_normal(s).astype(np.float32) for s in ((64, 96), (96, 64), (64, 40)))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="a"), helper.make_node("MatMul", ["h", "w2"], ["g"], name="b"),
+         helper.make_node("MatMul", ["g", "w3"], ["y"], name="head")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 40])],
+        [numpy_helper.from_array(w, n) for w, n in ((w1, "w1"), (w2, "w2"), (w3, "w3"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    q = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=False, accuracy_level=4,
+                             nodes_to_exclude=["head"])
+    q.process()
+    onnx.save_model(q.model.model, str(tmp_path / "q.onnx"))
+    found = onnx_gemvs(tmp_path / "q.onnx")
+    assert sorted(found, key=lambda g: g.k) == [Gemv(64, 96, 4, 32, 4, True), Gemv(64, 40), Gemv(96, 64, 4, 32, 4, True)]
+    assert GemvFloor(None, threads=1, gemvs=found).measure(steps=2) > 0
+
+
+def test_nominal_matrices_follow_the_recorded_weight_mode() -> None:
+    cfg = map_config(TINY_CONFIGS["llama"])
+    assert nominal_gemvs(cfg, "fp32", None) == fp32_gemvs(cfg)
+    int4 = nominal_gemvs(cfg, "int4", 64)
+    assert [(g.k, g.n) for g in int4] == linear_shapes(cfg) and {(g.bits, g.block_size) for g in int4} == {(4, 64)}
+    assert sum(g.nbytes for g in int4) < sum(g.nbytes for g in nominal_gemvs(cfg, "int8", 64)) < 4 * sum(
+        k * n for k, n in linear_shapes(cfg))
+
+
+def test_compared_engines_get_per_round_ratios_and_each_its_own_floor(artifacts: dict[str, Path]) -> None:
+    import kvexport
+
+    main = kvexport.load(str(artifacts["llama"]), threads=1)
+    other = kvexport.load(str(artifacts["llama"]), threads=2)
+    r = run_bench(main, reference=None, prompt_lens=(8,), new_tokens=6, threads=1, others=[("two", other)],
+                  baselines=False, rounds=2)
+    row = r["prompts"]["8"]
+    e, o = row["engine"], row["other:two"]
+    assert e["mode"] == o["mode"] == "fp32" and e["floor"] == o["floor"] == "fp32"
+    assert list(row["floors"]) == ["fp32"]  # one floor for engines with the same weights
+    assert len(o["decode_ratio_vs_main_per_round"]) == 2
+    assert min(o["decode_ratio_vs_main_per_round"]) <= o["decode_ratio_vs_main_median_round"] <= max(
+        o["decode_ratio_vs_main_per_round"])
+    assert o["fraction_of_own_floor"] == pytest.approx(o["decode_tok_s"] / row["gemv_floor_tok_s"])
+    assert o["ttft_ratio_vs_main"] == pytest.approx(o["ttft_s"] / e["ttft_s"])
+    text = format_report(r)
+    assert "of its fp32 floor" in text and "median" in text
+
+
+def test_compare_refuses_an_artifact_of_another_model(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    raw = json.loads((artifacts["llama"] / "manifest.json").read_text())
+    raw["model"]["config"]["hidden_size"] *= 2
+    (tmp_path / "other.kvx").mkdir()
+    (tmp_path / "other.kvx" / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(InputError, match="hidden_size"):
+        check_comparable(artifacts["llama"], [tmp_path / "other.kvx"])
+    check_comparable(artifacts["llama"], [artifacts["llama"]])
+
+
+@pytest.mark.parametrize("text", ["32,x", "0,512", ""])
+def test_bad_prompt_lens_are_refused(text: str) -> None:
+    with pytest.raises(InputError, match="--prompt-lens"):
+        parse_prompt_lens(text)
+    assert parse_prompt_lens("32,512,4096") == (32, 512, 4096)
+
+
+def test_bench_1b_has_llama_3_2_1b_shape() -> None:
+    c = map_config(NAMED_MODELS["bench-1b"])
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (2048, 16, 32, 8)
+    assert (c.intermediate_size, c.vocab_size, c.head_dim, c.tie_word_embeddings) == (8192, 128256, 64, True)
+    assert (c.rope.type, c.rope.theta, c.rope.factor) == ("llama3", 500000.0, 32.0)
+    assert 1.23e9 < c.num_parameters() < 1.24e9  # Llama-3.2-1B: 1.236B
+
+
+def test_checkpoints_are_written_one_shard_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each shard is saved before the parameters of the next are drawn, so memory holds one shard
+    (bench-1b is ~4.9 GB in fp32), and the shards hold exactly random_decoder's values."""
+    import torch
+
+    from kvexport import zoo
+    from kvexport.checkpoint import load_checkpoint
+
+    events: list[str] = []
+    draw, save = zoo._init_value, zoo.save_file
+    monkeypatch.setattr(zoo, "_init_value", lambda *a: (events.append("draw"), draw(*a))[1])
+    monkeypatch.setattr(zoo, "save_file", lambda *a, **k: (events.append("save"), save(*a, **k))[1])
+    folder = zoo.write_checkpoint(TINY_CONFIGS["llama"], tmp_path / "m", seed=3, shard_bytes=40_000)
+    last_draw = len(events) - 1 - events[::-1].index("draw")
+    assert events.count("save") > 2 and events.index("save") < last_draw  # shards left before the model was drawn
+    want = zoo.random_decoder(map_config(TINY_CONFIGS["llama"]), seed=3).state_dict()
+    got = load_checkpoint(folder).decoder.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
