@@ -327,6 +327,14 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    if a.ray or a.replicas is not None or a.ray_address is not None:
+        from kvexport.ray_serve import serve_ray
+
+        return serve_ray(a.artifact, address=a.ray_address, host=a.host, port=a.port,
+                         replicas=2 if a.replicas is None else a.replicas, max_batch=a.max_batch,
+                         max_queue=a.max_queue, prefill_chunk=a.prefill_chunk, threads=a.threads,
+                         model_name=a.model_name, load_options=_options(a.option), num_cpus=a.replica_cpus,
+                         one_per_node=not a.many_per_node)
     from kvexport.server import serve
 
     return serve(a.artifact, host=a.host, port=a.port, max_batch=a.max_batch, max_queue=a.max_queue,
@@ -507,6 +515,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", default=None, help="the model id the API reports (default: the artifact's name)")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend load option")
+    s.add_argument("--ray", action="store_true", help="serve replicas on a Ray cluster behind Ray Serve's router "
+                   "(pip install 'kvexport[ray]'; docs/serving.md)")
+    s.add_argument("--replicas", type=int, default=None, help="--ray: engine replicas (default 2)")
+    s.add_argument("--ray-address", default=None,
+                   help="--ray: the cluster to join (e.g. auto, or HEAD:6379); default: start a local one")
+    s.add_argument("--replica-cpus", type=float, default=None, help="--ray: CPUs each replica asks Ray for "
+                   "(default: --threads, else 1)")
+    s.add_argument("--many-per-node", action="store_true",
+                   help="--ray: allow several replicas on one Ray node (default: at most one per node)")
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("verify", help="compare the engine with the PyTorch reference; writes verify.json")
