@@ -332,13 +332,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
         return serve_ray(a.artifact, address=a.ray_address, host=a.host, port=a.port,
                          replicas=2 if a.replicas is None else a.replicas, max_batch=a.max_batch,
-                         max_queue=a.max_queue, prefill_chunk=a.prefill_chunk, threads=a.threads,
+                         max_queue=a.max_queue, prefill_chunk=a.prefill_chunk,
+                         prefill_budget=a.prefill_budget, threads=a.threads,
                          model_name=a.model_name, load_options=_options(a.option), num_cpus=a.replica_cpus,
                          one_per_node=not a.many_per_node)
     from kvexport.server import serve
 
     return serve(a.artifact, host=a.host, port=a.port, max_batch=a.max_batch, max_queue=a.max_queue,
-                 prefill_chunk=a.prefill_chunk, threads=a.threads, model_name=a.model_name,
+                 prefill_chunk=a.prefill_chunk, prefill_budget=a.prefill_budget, threads=a.threads,
+                 model_name=a.model_name,
                  load_options=_options(a.option))
 
 
@@ -511,7 +513,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (cache rows)")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429")
-    s.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill step")
+    s.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill call")
+    s.add_argument("--prefill-budget", type=int, default=None,
+                   help="prompt tokens prefilled between two decode steps (default: 4 chunks)")
     s.add_argument("--model-name", default=None, help="the model id the API reports (default: the artifact's name)")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend load option")

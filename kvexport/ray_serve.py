@@ -60,7 +60,8 @@ class _ReplicaHeader:
 
 
 def application(artifact: str, *, replicas: int = 2, max_batch: int = 8, max_queue: int = 64,
-                prefill_chunk: int = 64, threads: int | None = None, model_name: str | None = None,
+                prefill_chunk: int = 64, prefill_budget: int | None = None, threads: int | None = None,
+                model_name: str | None = None,
                 load_options: dict[str, Any] | None = None, num_cpus: float | None = None,
                 one_per_node: bool = True, resources: dict[str, float] | None = None,
                 health_check_period_s: float = 2.0) -> Any:
@@ -109,7 +110,7 @@ def application(artifact: str, *, replicas: int = 2, max_batch: int = 8, max_que
                                         **(load_options or {}))
             self.template = engine_template(self.engine)
             self.scheduler = Scheduler(self.engine, max_batch=max_batch, max_queue=max_queue,
-                                       prefill_chunk=prefill_chunk)
+                                       prefill_chunk=prefill_chunk, prefill_budget=prefill_budget)
             self.replica = serve.get_replica_context().replica_id.unique_id
             self.node = ray.get_runtime_context().get_node_id()
 

@@ -447,7 +447,8 @@ def create_app(scheduler: Scheduler, *, model_name: str, chat_template: Any = No
 
 
 def serve(artifact: str, *, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
-          prefill_chunk: int = 64, threads: int | None = None, model_name: str | None = None,
+          prefill_chunk: int = 64, prefill_budget: int | None = None, threads: int | None = None,
+          model_name: str | None = None,
           load_options: dict[str, Any] | None = None, log_level: str = "info") -> int:
     """Load the artifact and serve it until SIGINT/SIGTERM (then: no new request, running ones finish)."""
     try:
@@ -461,7 +462,8 @@ def serve(artifact: str, *, host: str = "127.0.0.1", port: int = 8000, max_batch
 
     engine = kvexport.load(artifact, **({"threads": threads} if threads else {}), **(load_options or {}))
     name = model_name or Path(artifact).name.removesuffix(".kvx")
-    sched = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk)
+    sched = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                      prefill_budget=prefill_budget)
     app = create_app(sched, model_name=name, chat_template=engine_template(engine))
 
     class _Server(uvicorn.Server):

@@ -194,3 +194,22 @@ def test_threads_submit_concurrently(engine: Engine) -> None:
         for t in ts:
             t.join(TIMEOUT)
     assert {i: out[i] for i in range(16)} == {i: alone[PROMPTS[i % len(PROMPTS)]] for i in range(16)}
+
+
+@pytest.mark.parametrize(("budget", "all_in_first"), [(16, False), (400, True)])
+def test_prefill_budget(engine: Engine, budget: int, all_in_first: bool) -> None:
+    """Four requests arrive together, each prompt two chunks long. A budget of one chunk prefills one
+    chunk between two decode steps (the first rows decode while the last prompts still enter); a
+    budget covering all four prompts prefills them all before the first decode step, so every decode
+    step serves every row. Either way each request gets what it gets alone."""
+    prompts = [engine._as_ids(p * 20)[:20] for p in ("def f", "import", "x = 1", "class")]  # 2 chunks of 16
+    alone = [engine.generate(p, 12) for p in prompts]
+    s = Scheduler(engine, max_batch=4, prefill_chunk=16, prefill_budget=budget)
+    with s._cond:  # queue all four before the loop's first admission (submit's lock is re-entrant)
+        hs = [s.submit(p, 12) for p in prompts]
+    with s:
+        res = [h.result(timeout=TIMEOUT) for h in hs]
+    assert [r.token_ids for r in res] == [a.token_ids for a in alone]
+    assert s.stats.prefill_chunks == 8
+    # 11 decode steps make the 11 tokens after each prompt's first; a one-chunk budget needs more
+    assert (s.stats.steps == 11) is all_in_first, s.stats.steps

@@ -1,8 +1,9 @@
 """Continuous batching: one thread owns the engine's cache rows and serves many requests at once.
 
 Between two decode steps the scheduler retires finished or cancelled rows, admits queued requests
-into free rows and runs at most one prefill chunk, so a long prompt enters in pieces while the
-running rows keep producing a token per step. Every row keeps its own absolute positions (slot i
+into free rows and runs prefill chunks up to a token budget (as vLLM's max_num_batched_tokens), so
+a long prompt enters in pieces while the running rows keep producing a token per step, and a burst
+of new requests gets its prompts in within a few steps instead of one chunk per step. Every row keeps its own absolute positions (slot i
 holds position i) and its own sampling state: a request's tokens are the ones it gets alone
 (`Engine.generate` with the same prompt, parameters and seed), whoever else is running.
 
@@ -198,15 +199,20 @@ class Scheduler:
     """Owns one engine's cache rows; `submit` from any thread, the work runs on the scheduler's thread.
 
     max_batch: rows decoded together. max_queue: requests waiting for a row before submit raises
-    QueueFullError. prefill_chunk: prompt tokens per prefill step (a longer prompt takes several
-    steps, each followed by a decode step of the running rows)."""
+    QueueFullError. prefill_chunk: prompt tokens per prefill call (a longer prompt takes several).
+    prefill_budget: prompt tokens prefilled between two decode steps (default 4 chunks; at least
+    one chunk always runs): a lower budget keeps the running rows' inter-token latency flatter while
+    prompts arrive, a higher one brings new requests' first tokens sooner."""
 
     def __init__(self, engine: Any, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 64,
-                 rows: Rows | None = None):
+                 prefill_budget: int | None = None, rows: Rows | None = None):
         if max_queue < 0:
             raise InputError(f"max_queue must be >= 0, got {max_queue}")
         if prefill_chunk < 1:
             raise InputError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_budget is not None and prefill_budget < 1:
+            raise InputError(f"prefill_budget must be >= 1, got {prefill_budget}")
+        self.prefill_budget = 4 * prefill_chunk if prefill_budget is None else prefill_budget
         self.engine = engine
         self.rows = rows or rows_for(engine.session, max_batch, engine.config.sliding_window)
         self.max_batch, self.max_queue, self.prefill_chunk = self.rows.rows, max_queue, prefill_chunk
@@ -314,7 +320,7 @@ class Scheduler:
                             return
                         self._cond.wait(0.5)
                         continue
-                self._prefill_one()
+                self._prefill()
                 self._decode_all()
         except BaseException as e:  # an engine failure outside one request: fail everyone, admit no more
             self._fatal = e
@@ -347,12 +353,19 @@ class Scheduler:
             r.row = row
             self._slots[row] = r
 
-    def _prefill_one(self) -> None:
-        """One prefill chunk of the earliest-admitted row that still has prompt left."""
-        waiting = [r for r in self._slots if r is not None and r.prefilled < len(r.prompt_ids)]
-        if not waiting:
-            return
-        r = min(waiting, key=lambda x: x.id)
+    def _prefill(self) -> None:
+        """Prefill chunks, earliest-admitted row first, until prefill_budget prompt tokens ran (at
+        least one chunk) or no admitted row has prompt left."""
+        spent = 0
+        while spent < self.prefill_budget:
+            waiting = [r for r in self._slots
+                       if r is not None and not r.cancelled and r.prefilled < len(r.prompt_ids)]
+            if not waiting:
+                return
+            spent += self._prefill_one(min(waiting, key=lambda x: x.id))
+
+    def _prefill_one(self, r: Request) -> int:
+        """One prefill chunk of r; returns its prompt tokens (a failed chunk counts as a whole one)."""
         assert r.row is not None
         chunk = r.prompt_ids[r.prefilled: r.prefilled + self.prefill_chunk]
         try:
@@ -364,6 +377,7 @@ class Scheduler:
                 self._take(r, logits[None, :])
         except Exception as e:  # noqa: BLE001
             self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+        return len(chunk)
 
     def _decode_all(self) -> None:
         live = [r for r in self._slots if r is not None and r.pending is not None and r.finish_reason is None]
