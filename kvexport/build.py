@@ -1,6 +1,7 @@
 """`kvexport build`: export the IR, lower it with a backend, verify, and write the artifact atomically."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -58,7 +59,7 @@ def build(
             if problems:
                 raise InputError(f"target {target!r} cannot lower this model: " + "; ".join(problems))
             say(f"building the {target} engine")
-            backend.build(folder, manifest, options, say)
+            backend.build(folder, manifest, _with_calibration_text(options, model_dir), say)
             record(backend, folder, manifest, resolved)
             finish(folder, manifest)
             mismatch = None
@@ -78,6 +79,16 @@ def build(
         )
     say(f"artifact ready: {out}")
     return out
+
+
+def _with_calibration_text(options: BuildOptions, model_dir: Path) -> BuildOptions:
+    """The checkpoint's held-out text as the calibration sample, unless the caller gave one."""
+    from kvexport.checkpoint import HELDOUT_FILE
+
+    held = model_dir / HELDOUT_FILE
+    if options.calibration_text is not None or not held.is_file():
+        return options
+    return dataclasses.replace(options, calibration_text=held.read_text(encoding="utf-8"))
 
 
 def _require_verify_reference() -> None:

@@ -65,6 +65,10 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("intel", "fp32+kv-int8"): KV_U8,
     ("intel", "bf16+kv-fp16"): BF16_DERIVED,
     ("intel", "bf16+kv-int8"): BF16_DERIVED,
+    # cpu --kv int8 (per-channel scales calibrated at build; the default model's held-out text measures top-1
+    # 0.9948, mean KL 6.8e-4, max KL 0.027, ppl -0.29%): the KLs 3-4x, not 10x, over what it measures, so
+    # that RoPE off by one or a stale slot on top of it still fails (tests/test_verify.py)
+    ("cpu", "fp32+kv-int8"): _lossy(top1=0.98, mean_kl=2e-3, max_kl=0.1, ppl_change=0.01),
     ("amd", "fp32"): FP32,
     ("amd", "fp16"): FP16,
     ("amd", "bf16"): BF16,

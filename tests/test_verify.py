@@ -37,6 +37,7 @@ def _openvino() -> bool:
 # intel with a u8 cache), plus intel bf16 where the CPU computes it (AMX / AVX512-BF16).
 ENGINES: dict[str, tuple[str, dict[str, Any]]] = {
     "cpu-fp32": ("cpu", {}),
+    "cpu-fp32+kv-int8": ("cpu", {"kv": "int8"}),
     "amd-bf16": ("amd", {"precision": "bf16", "max_batch": 4, "threads": 2}),
     "intel-fp32+kv-u8": ("intel", {"precision": "fp32", "extra": {"kv_precision": "u8"}}),
     "intel-bf16": ("intel", {"precision": "bf16"}),
@@ -187,6 +188,28 @@ def test_an_engine_with_a_cache_bug_fails(name: str, bug: str, engines: dict, tr
     assert not r.passed
     if r.mode == "teacher-forced":  # failed on the text's measures, not only on the engine-against-itself checks
         assert any(f.startswith(("text", "held-out")) for f in r.failures), r.failures
+
+
+def test_an_int8_cache_with_halved_scales_fails(builds: _Builds, trained: Path, reference: Reference,
+                                                tmp_path: Path) -> None:
+    """cpu --kv int8 with every calibrated scale halved: keys and values past half their range clip."""
+    import onnx
+    from onnx import numpy_helper
+
+    from kvexport.backends.cpu import ENGINE_DIR, OPT_MODEL, CpuSession
+
+    art = builds["cpu-fp32+kv-int8"]
+    model = onnx.load(str(art / ENGINE_DIR / OPT_MODEL))  # its small initializers, the scales, are inline
+    scales = [t for t in model.graph.initializer if t.name.endswith(("/k_scale", "/v_scale"))]
+    assert len(scales) == 2 * 4  # one K and one V scale per layer
+    for t in scales:
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) / 2, t.name))
+    onnx.save_model(model, str(tmp_path / "halved.onnx"), save_as_external_data=True, location="halved.onnx.data")
+    engine = load(art)
+    broken = Engine(art, engine.manifest, CpuSession(tmp_path / "halved.onnx", engine.manifest, 2))
+    r = _verify(broken, trained, reference, text_positions=192)
+    print(_show("cpu-fp32+kv-int8", "halved scales", r))
+    assert any(f.startswith(("text", "held-out")) for f in r.failures), r.failures
 
 
 # --- refusals before any work -----------------------------------------------------------------------

@@ -81,6 +81,9 @@ class BuildOptions:
     weights: str | None = None
     group_size: int | None = None  # block size of int8/int4 weights (32|64|128); None: the backend's default
     kv: str | None = None  # KV cache: fp32|fp16|bf16|int8 (None: fp32)
+    # a sample of the model's own text, for what the build calibrates (int8 KV scales); build() passes
+    # the checkpoint's held-out text when it ships one; None: the backend's built-in sample
+    calibration_text: str | None = None
     max_batch: int = 8
     threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (numa_node, kv_precision, ...)

@@ -21,7 +21,7 @@ ENGINE_DIR = "engine"
 FUSED_TMP = "model.fused.tmp.onnx"
 OPT_MODEL = "model.opt.onnx"
 OPT_DATA = "model.opt.onnx.data"
-NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+ORT_CACHE_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
 
 
 def default_threads() -> int:
@@ -66,6 +66,7 @@ class CpuBackend(_Backend):
             cache_policy="grow",
             precisions=("fp32",),
             default_precision="fp32",
+            kv_modes=("fp32", "int8"),
             devices=("cpu",),
             sdk=("onnxruntime",),
         )
@@ -89,11 +90,16 @@ class CpuBackend(_Backend):
         import onnxruntime as ort
 
         from kvexport.backends.cpu_fusion import lower_for_onnxruntime
+        from kvexport.backends.cpu_kv import build_int8_cache
 
         self.require_available()
         precision = options.precision or "fp32"
         if precision != "fp32":
             raise InputError(f"the cpu target supports precision fp32 only, not {precision!r}")
+        kv_mode = options.kv or "fp32"
+        if kv_mode not in self.capabilities().kv_modes:
+            raise InputError(f"the cpu target keeps its KV cache in {' or '.join(self.capabilities().kv_modes)}, "
+                             f"not {kv_mode!r}")
         engine = folder / ENGINE_DIR
         engine.mkdir(exist_ok=True)
         progress("lowering attention to ONNX Runtime's GroupQueryAttention and optimizing the graph")
@@ -101,6 +107,10 @@ class CpuBackend(_Backend):
         ir = folder / manifest.raw["ir"]["file"]
         model = onnx.load(str(ir), load_external_data=False)  # weights stay in model.onnx.data
         fused = lower_for_onnxruntime(model)
+        kv = None
+        if kv_mode == "int8":
+            kv = build_int8_cache(model, folder, manifest, options.calibration_text,
+                                  options.threads or default_threads(), progress)
         staged = folder / FUSED_TMP  # beside the IR so its external-data path still resolves
         try:
             onnx.save_model(model, str(staged))
@@ -117,6 +127,8 @@ class CpuBackend(_Backend):
             "fingerprint": fingerprint(),
             "options": {"threads": options.threads, **fused},
         }
+        if kv is not None:  # the int8 record with its scales; core records an fp32 cache itself
+            manifest.raw["target"]["kv"] = kv
 
     def weight_bytes(self, folder: Path, manifest: Manifest, weights: str, group_size: int | None) -> int:
         """Counted: every initializer of the optimized graph (packed int4/int8 blocks and their scales included)."""
@@ -145,6 +157,15 @@ class CpuBackend(_Backend):
             warning = f"optimized graph made by onnxruntime {built_with}; loaded the portable IR instead"
         threads = threads or target.get("options", {}).get("threads") or default_threads()
         return CpuSession(model, manifest, threads, warning)
+
+    def kv_bytes_per_token(self, manifest: Manifest, kv: str) -> int:
+        """int8: one byte per element; its per-channel scales are a fixed cost (target.kv.scale_bytes),
+        not one per token."""
+        if kv != "int8":
+            return super().kv_bytes_per_token(manifest, kv)
+        from kvexport.precision import kv_elements_per_token
+
+        return kv_elements_per_token(manifest)
 
     def doctor(self) -> dict[str, Any]:
         try:
@@ -178,18 +199,23 @@ class CpuSession(Session):
         cfg = manifest.config
         self.max_seq, self.vocab_size = manifest.max_seq, cfg.vocab_size
         self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
-        self.cache_dtype = NP_DTYPES[manifest.cache["dtype"]]
         self.pairs = manifest.kv_pairs()
         try:
             self.sess = ort.InferenceSession(str(model), session_options(threads), providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
             raise ArtifactError(f"ONNX Runtime could not load {model}: {e}; rebuild the artifact") from e
+        # the cache dtype is the loaded graph's: int8 in an engine built with --kv int8, the IR's
+        # float type in the IR (the fallback above) and in every other engine
+        past = {i.name: i.type for i in self.sess.get_inputs()}[self.pairs[0][0]]
+        self.cache_dtype = ORT_CACHE_DTYPES[past]
+        kv = (manifest.target or {}).get("kv") or {}
+        self.scale_bytes = int(kv.get("scale_bytes", 0)) if self.cache_dtype == np.int8 else 0
         if not manifest.raw["ir"]["last_token_only"]:
             raise ArtifactError("the cpu runtime expects an IR exported with last-token-only logits")
 
     def describe(self) -> dict[str, Any]:
         return {"threads": self.threads, "cache_policy": "grow", "device": "cpu",
-                "warning": self.warning}
+                "kv_dtype": np.dtype(self.cache_dtype).name, "warning": self.warning}
 
     # --- state -----------------------------------------------------------------------------
     def new_state(self, batch: int, capacity: int) -> CpuState:
@@ -223,7 +249,8 @@ class CpuSession(Session):
         state.binding.clear_binding_outputs()
 
     def cache_bytes(self, state: CpuState) -> int:
-        return sum(c.nbytes for c in state.caches)
+        """The state's cache buffers, plus an int8 cache's per-channel scales (engine constants)."""
+        return sum(c.nbytes for c in state.caches) + self.scale_bytes
 
     def cache_bytes_copied(self, state: CpuState) -> int:
         return state.bytes_copied
