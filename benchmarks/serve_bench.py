@@ -42,11 +42,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(artifact: str, threads: int, max_batch: int, max_queue: int, log: Path) -> tuple[Any, str]:
+def start_server(artifact: str, threads: int, max_batch: int, max_queue: int, log: Path,
+                 prefill_budget: int | None = None) -> tuple[Any, str]:
     port = free_port()
+    budget = [] if prefill_budget is None else ["--prefill-budget", str(prefill_budget)]
     proc = subprocess.Popen([sys.executable, "-m", "kvexport", "serve", artifact, "--port", str(port),
-                             "--threads", str(threads), "--max-batch", str(max_batch), "--max-queue", str(max_queue)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+                             "--threads", str(threads), "--max-batch", str(max_batch), "--max-queue", str(max_queue),
+                             *budget], stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -204,6 +206,7 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="concurrency rounds (0: skip)")
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--prefill-budget", type=int, default=None, help="the server's --prefill-budget (default: its own)")
     ap.add_argument("--soak", type=int, default=0, help="requests in the soak (0: skip it)")
     ap.add_argument("--soak-clients", type=int, default=16)
     ap.add_argument("--soak-prompt-words", default="4,12,32,64", help="prompt lengths (words) the soak mixes")
@@ -211,8 +214,9 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     log = Path(a.json or "serve_bench.json").with_suffix(".server.log")
-    proc, url = start_server(a.artifact, a.threads, a.max_batch, 256, log)
+    proc, url = start_server(a.artifact, a.threads, a.max_batch, 256, log, a.prefill_budget)
     result: dict[str, Any] = {"artifact": a.artifact, "threads": a.threads, "max_batch": a.max_batch,
+                              "prefill_budget": a.prefill_budget,
                               "cpu": cpu_info()["model"], "cores": os.cpu_count()}
     try:
         if a.rounds:
