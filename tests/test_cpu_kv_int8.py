@@ -155,3 +155,18 @@ def test_tiny_family_at_kv_int8_verifies_against_its_row(int8_engine: Engine, ch
     limit = self_consistency_limit(tolerance("cpu", "fp32+kv-int8"))
     assert set(r.checks) == {"prefill_decode_max_abs", "batch_independence_max_abs"}
     assert max(r.checks.values()) <= limit
+
+
+def test_continuous_batching_rows_hold_int8_and_match_alone(int8_engine: Engine) -> None:
+    """The scheduler's shared row pool allocates the session's int8 cache; requests of different lengths,
+    prefilled in chunks while others decode, get the tokens they get alone."""
+    from kvexport.runtime.rows import BoundRows
+    from kvexport.runtime.scheduler import Scheduler
+
+    prompts = ["hello world", "def main(", "a" * 40, "x"]
+    alone = [int8_engine.generate(p, 20).token_ids for p in prompts]
+    rows = BoundRows(int8_engine.session, 2)
+    with Scheduler(int8_engine, rows=rows, prefill_chunk=16) as s:
+        got = [h.result(timeout=60).token_ids for h in [s.submit(p, 20) for p in prompts]]
+        assert rows.caches and all(c.dtype == np.int8 for c in rows.caches)
+    assert got == alone
