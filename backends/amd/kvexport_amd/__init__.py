@@ -32,7 +32,8 @@ class AmdBackend(Backend):
                         "none), cache updated in place, decode step captured as a HIP graph",
             ir_cache_style="static",
             cache_policy="fixed",  # cache_len is compiled static at max_seq: graph capture needs fixed addresses
-            precisions=("fp16", "bf16", "fp32"),
+            # int8/int4: weight-only, torch's packed matmuls (kvexport_amd.quant); int8 is per output channel
+            precisions=("fp16", "bf16", "fp32", "int8", "int4"),
             default_precision=self._default_precision(dv.gpu_present()),
             devices=("rocm", "cuda", "cpu"),
             sdk=("torch",),
@@ -68,12 +69,20 @@ class AmdBackend(Backend):
             problems.append(f"the amd target compiles float IR; this one is {manifest.raw['ir']['dtype']}")
         return problems
 
+    def build_options(self, options: BuildOptions) -> dict[str, Any]:
+        """Also refuses, before the export, a block size for int8: torch's int8 kernel has no blocks."""
+        if (options.weights or options.precision) == "int8" and options.group_size not in (
+                None, self.capabilities().default_group_size["int8"]):
+            raise InputError(f"amd int8 keeps one scale per output channel; drop --group-size {options.group_size}, "
+                             "or use --weights int4 for block scales")
+        return super().build_options(options)
+
     # --- build ----------------------------------------------------------------------------------
     def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
         import torch
 
         from kvexport.export import decoder_from_ir
-        from kvexport_amd import lowering
+        from kvexport_amd import lowering, quant
 
         # every refusal comes before the minutes of compiling
         extra = self.build_options(options)
@@ -82,12 +91,19 @@ class AmdBackend(Backend):
         if problems:
             raise UnsupportedFeatureError("; ".join(problems))
         info = dv.select(extra["device"])
-        precision = options.precision or self._default_precision(info.kind != "cpu")
-        if precision not in lowering.DTYPES:
-            raise InputError(f"the amd target compiles fp16, bf16 or fp32, not {precision!r}")
+        precision = options.weights or options.precision or self._default_precision(info.kind != "cpu")
+        quantized = precision in quant.MODES
+        group_size = options.group_size if precision == "int4" else None
+        if quantized:
+            quant.check_mode(precision, group_size)
+        # int8/int4 keep norms, attention and the cache in the --kv dtype (fp32 unless asked)
+        dtype_name = (options.kv or "fp32") if quantized else precision
+        if dtype_name not in lowering.DTYPES:
+            raise InputError(f"the amd target compiles fp16, bf16 or fp32 (or int8/int4 weights over one of them), "
+                             f"not {dtype_name!r}")
         # on the CPU, fp16/bf16 only when asked: torch computes them without the GPU's speed, but with
         # its rounding, which is how the low-precision tolerance rows are measured where no GPU is
-        if precision == "bf16" and info.kind != "cpu" and not torch.cuda.is_bf16_supported():
+        if "bf16" in (precision, dtype_name) and info.kind != "cpu" and not torch.cuda.is_bf16_supported():
             raise UnsupportedFeatureError(f"{info.name} has no bf16 support; pass --precision fp16")
         if options.max_batch < 1:
             raise InputError(f"max_batch must be at least 1, got {options.max_batch}")
@@ -97,14 +113,24 @@ class AmdBackend(Backend):
         model_dir = extra.get("model_dir")
 
         t0 = time.perf_counter()
-        progress(f"amd: building for {info.kind} ({info.name}), {precision}, cache_len {manifest.max_seq}, "
+        mode = f"{precision} weights (group {group_size}) over {dtype_name}" if quantized else precision
+        progress(f"amd: building for {info.kind} ({info.name}), {mode}, cache_len {manifest.max_seq}, "
                  f"batch 1..{options.max_batch}")
         if model_dir:
             decoder = lowering.decoder_from_checkpoint(Path(model_dir), manifest)
         else:
             decoder = decoder_from_ir(folder, manifest)
-        program = lowering.export_program(decoder, max_batch=options.max_batch, dtype=lowering.DTYPES[precision],
-                                          device=info.torch_device)
+        reports: list[quant.QuantReport] = []
+        weights: dict[str, Any] = {}
+
+        def pack(model: torch.nn.Module) -> None:  # after the cast to the model dtype, which would touch scales
+            if quantized:
+                reports.append(quant.quantize_linears(model, precision, group_size,  # type: ignore[arg-type]
+                                                      device=info.torch_device))
+            weights.update(dtype=precision, group_size=group_size, bytes=quant.weight_bytes(model))
+
+        program = lowering.export_program(decoder, max_batch=options.max_batch, dtype=lowering.DTYPES[dtype_name],
+                                          device=info.torch_device, transform=pack)
         t_export = time.perf_counter() - t0
         progress(f"amd: torch.export done in {t_export:.1f}s; compiling with AOTInductor (minutes on a small CPU)")
         engine = folder / ENGINE_DIR / PACKAGE
@@ -117,7 +143,9 @@ class AmdBackend(Backend):
             "precision": precision,
             "engine_files": [f"{ENGINE_DIR}/{PACKAGE}"],
             "fingerprint": info.fingerprint(),
+            "weights": weights,  # bytes counted in the compiled model's tensors
             "options": {
+                "model_dtype": dtype_name, **({"quantization": reports[0].to_dict()} if reports else {}),
                 "device_kind": info.kind, "max_batch": options.max_batch, "cache_len": manifest.max_seq,
                 "threads": options.threads, "source": "model_dir" if model_dir else "ir",
                 "export_seconds": round(t_export, 2), "build_seconds": round(seconds, 2),
@@ -166,7 +194,8 @@ class AmdBackend(Backend):
         runner = torch._C._aoti.AOTIModelPackageLoader(str(path), lowering.MODEL_NAME, gpu, 1, -1)
         cfg = manifest.config
         return AotiSession(
-            runner, device=here.torch_device, dtype=lowering.DTYPES[target["precision"]],
+            runner, device=here.torch_device,
+            dtype=lowering.DTYPES[target["options"].get("model_dtype", target["precision"])],
             num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             max_seq=manifest.max_seq, vocab_size=cfg.vocab_size, max_batch=int(target["options"]["max_batch"]),
             use_graph=use_graph,

@@ -80,3 +80,20 @@ def test_gpu_batch_rows_and_threads(gpu_artifact: Path) -> None:
     prompts = [[1, 40, 41, 42, 43, 44, 45], [1, 70, 71]]
     alone = [_greedy(engine, p, 8)[0] for p in prompts]
     assert batch_greedy(engine, prompts, 8) == alone
+
+
+@pytest.mark.parametrize("weights,group", [("int4", 32), ("int8", None)])
+def test_gpu_packed_weights_build_verify_and_replay(tmp_path: Path, weights: str, group: int | None) -> None:
+    """int8/int4 weights on the GPU (_weight_int8pack_mm, _weight_int4pack_mm): the trained default model passes
+    its teacher-forced row, and the captured decode step gives the direct calls' tokens."""
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+    from kvexport.zoo import write_named
+
+    ckpt = write_named("default", tmp_path / "default")
+    out = build(ckpt, tmp_path / f"default-{weights}.kvx", target="amd", max_seq=256, verify=True,
+                options=BuildOptions(weights=weights, group_size=group, max_batch=2, extra={"device": "gpu"}))
+    prompt = [1, 100, 101, 32, 40]
+    graphed, _, _ = _greedy(kvexport.load(out, graphs=True), prompt, 16)
+    direct, _, _ = _greedy(kvexport.load(out, graphs=False), prompt, 16)
+    assert graphed == direct

@@ -1,11 +1,14 @@
 """amd int8/int4 weights: torch's packed matmuls against the dequantized weights, the decoder's packed layers,
-and the errors."""
+the CPU-compiled package of the trained default model against its tolerance rows, and the errors."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from kvexport.backends import BuildOptions
 from kvexport.errors import InputError
 from kvexport_amd import quant
 
@@ -70,3 +73,71 @@ def test_bad_group_sizes_are_input_errors() -> None:
         quant.check_mode("int4", 48)
     with pytest.raises(InputError, match="int8 or int4"):
         quant.check_mode("int2", None)
+
+
+# --- the compiled package of the trained default model (minutes on 2 cores: one build per mode) -------------
+QUANT_MAX_SEQ = 256  # verify's teacher-forced windows are min(max_seq, 256) tokens
+
+
+class _DefaultBuilds(dict):
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, mode: tuple[str, int | None]) -> Path:
+        from kvexport.build import build
+        from kvexport.zoo import write_named
+
+        ckpt = self.root / "default"
+        if not ckpt.exists():
+            write_named("default", ckpt)
+        weights, group = mode
+        path = build(ckpt, self.root / f"default-{weights}-{group}.kvx", target="amd", max_seq=QUANT_MAX_SEQ,
+                     options=BuildOptions(weights=weights, group_size=group, max_batch=2, threads=2), verify=True)
+        self[mode] = path
+        return path
+
+
+@pytest.fixture(scope="module")
+def default_builds(tmp_path_factory: pytest.TempPathFactory) -> _DefaultBuilds:
+    return _DefaultBuilds(tmp_path_factory.mktemp("amd-quant"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights,group,key", [("int8", None, "int8"), ("int4", 32, "int4-g32")])
+def test_default_model_package_passes_its_row(default_builds, weights: str, group: int | None, key: str) -> None:  # type: ignore[no-untyped-def]
+    """kvexport.build compiles the trained default model with packed int8/int4 weights and its own verify
+    passes the (amd, mode) teacher-forced row; the package calls the packed kernel and records its bytes."""
+    import json
+    import zipfile
+
+    import kvexport
+
+    folder = default_builds[(weights, group)]
+    engine = kvexport.load(folder, threads=2)
+    t = engine.manifest.target
+    v = engine.manifest.raw["verification"]
+    assert v["passed"] is True and v["mode"] == "teacher-forced"
+    assert t["weights"]["dtype"] == weights and t["weights"]["group_size"] == group
+    assert t["options"]["model_dtype"] == "fp32" and t["options"]["quantization"]["compute"] == "bf16"
+    assert t["weights"]["bytes"] < (0.4 if weights == "int8" else 0.3) * 4 * engine.manifest.raw["model"]["num_parameters"]
+    report = json.loads((folder / "verify.json").read_text())
+    assert (report["backend"], report["precision"]) == ("amd", key)
+    assert report["text"]["ppl_change"] < (0.01 if weights == "int8" else 0.08)  # the issue's bars
+    with zipfile.ZipFile(folder / "engine/model.pt2") as z:
+        wrapper = "".join(z.read(n).decode(errors="replace") for n in z.namelist() if n.endswith("wrapper.cpp"))
+    calls = {kind: wrapper.count(f"aoti_torch_cpu__weight_{kind}pack_mm") for kind in ("int8", "int4")}
+    # the compiled library calls the packed kernels, one per linear layer (the lm_head int8 under int4)
+    assert calls == ({"int8": 17, "int4": 0} if weights == "int8" else {"int8": 1, "int4": 16})
+    out = engine.generate("def ", max_new_tokens=8)
+    assert len(out.token_ids) == 8 and out.text  # type: ignore[union-attr]
+
+
+def test_int8_with_a_block_size_is_refused_before_export(tmp_path: Path) -> None:
+    from kvexport.build import build
+    from kvexport.zoo import DEFAULT_MODEL_DIR
+
+    with pytest.raises(InputError, match="per output channel"):
+        build(DEFAULT_MODEL_DIR, tmp_path / "x.kvx", target="amd", max_seq=64, verify=False,
+              options=BuildOptions(weights="int8", group_size=64))
+    assert not list(tmp_path.iterdir())

@@ -38,7 +38,7 @@ def test_registered_and_capabilities() -> None:
     assert isinstance(b, AmdBackend)
     caps = b.capabilities()
     assert caps.cache_policy == "fixed" and caps.ir_cache_style == "static"
-    assert set(caps.precisions) == {"fp16", "bf16", "fp32"}
+    assert set(caps.precisions) == {"fp16", "bf16", "fp32", "int8", "int4"}
     if not HAS_GPU:
         assert caps.default_precision == "fp32"
     assert b.availability() == []  # torch with AOTInductor is all it needs here

@@ -15,6 +15,8 @@ from kvexport.manifest import Manifest
 from kvexport_nvidia import fingerprint as fp
 from kvexport_nvidia.lowering import lower_file
 from kvexport_nvidia.profiles import Profile, make_profiles
+from kvexport_nvidia.quantize import MODES as QUANT_MODES
+from kvexport_nvidia.quantize import check_mode
 
 ENGINE_DIR = "engine"
 PREPARED = "prepared.onnx"  # the lowered IR: fp16/bf16, cache_len pinned, parser-ready
@@ -67,7 +69,8 @@ class NvidiaBackend(Backend):
                         "CUDA-graph decode (NVIDIA GPU, TensorRT >= 10.15)",
             ir_cache_style="static",
             cache_policy="fixed",  # IKVCacheUpdateLayer and graph capture need the static max_seq cache
-            precisions=("fp16", "bf16"),
+            # int8/int4: weight-only, DequantizeLinear on the weights (kvexport_nvidia.quantize); int8 per channel
+            precisions=("fp16", "bf16", "int8", "int4"),
             default_precision="fp16",
             devices=("cuda",),
             sdk=("tensorrt", "torch"),
@@ -97,11 +100,28 @@ class NvidiaBackend(Backend):
             problems.append(f"the nvidia target lowers fp32/fp16/bf16 IR; this one is {dtype}")
         return problems
 
+    def build_options(self, options: BuildOptions) -> dict[str, Any]:
+        """Also refuses, before the export, a block size for int8: its weights are per channel, as TensorRT's
+        INT8 weights have always been."""
+        if (options.weights or options.precision) == "int8" and options.group_size not in (
+                None, self.capabilities().default_group_size["int8"]):
+            raise InputError(f"nvidia int8 keeps one scale per output channel; drop --group-size {options.group_size}, "
+                             "or use --weights int4 for block scales")
+        return super().build_options(options)
+
     # --- build ----------------------------------------------------------------------------------
     def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
-        precision = options.precision or self.capabilities().default_precision
+        caps = self.capabilities()
+        weights = options.weights or options.precision or caps.default_precision
+        quantized = weights in QUANT_MODES
+        group_size = options.group_size if weights == "int4" else None
+        if quantized:
+            check_mode(weights, group_size)
+        # int8/int4 weights dequantize to the engine's float type: the --kv one (the cache is in it too)
+        precision = (options.kv or caps.default_precision) if quantized else weights
         if precision not in PRECISION_DTYPE:
-            raise InputError(f"the nvidia target builds fp16 or bf16 engines, not {precision!r} (--precision fp16|bf16)")
+            raise InputError(f"the nvidia target builds fp16 or bf16 engines (int8/int4 weights over fp16 or bf16), "
+                             f"not {precision!r} (--weights fp16|bf16|int8|int4, --kv fp16|bf16)")
         ir_dtype = manifest.raw["ir"]["dtype"]
         if ir_dtype not in ("float32", PRECISION_DTYPE[precision]):
             raise InputError(f"this IR is {ir_dtype}; a {precision} engine needs an fp32 or {precision} IR")
@@ -124,9 +144,12 @@ class NvidiaBackend(Backend):
 
         engine_dir = folder / ENGINE_DIR
         engine_dir.mkdir(exist_ok=True)
-        progress(f"lowering the IR for TensorRT ({precision}, cache pinned to max_seq {manifest.max_seq})")
+        mode = f"{weights} weights" + (f" (group {group_size})" if group_size else "") + f" over {precision}" \
+            if quantized else precision
+        progress(f"lowering the IR for TensorRT ({mode}, cache pinned to max_seq {manifest.max_seq})")
         report = lower_file(folder / manifest.raw["ir"]["file"], engine_dir / PREPARED, max_seq=manifest.max_seq,
-                            precision=precision, pairs=manifest.kv_pairs())  # type: ignore[arg-type]
+                            precision=precision, pairs=manifest.kv_pairs(),  # type: ignore[arg-type]
+                            weights=weights if quantized else None, group_size=group_size)  # type: ignore[arg-type]
         files = [f"{ENGINE_DIR}/{PREPARED}", f"{ENGINE_DIR}/{PREPARED}.data"]
         target_options: dict[str, Any] = {
             **build_opts, "deferred": defer, "profiles": [p.to_dict() for p in profiles], "lowering": report.to_dict(),
@@ -144,8 +167,11 @@ class NvidiaBackend(Backend):
             files.append(f"{ENGINE_DIR}/{PLAN}")
             fingerprint = info.fingerprint()
         # `deferred` at the top level too: kvexport.build skips verification of an engine not built yet
-        manifest.raw["target"] = {"backend": "nvidia", "precision": precision, "engine_files": files,
-                                  "fingerprint": fingerprint, "options": target_options, "deferred": defer}
+        manifest.raw["target"] = {"backend": "nvidia", "precision": weights, "engine_files": files,
+                                  "fingerprint": fingerprint, "options": {**target_options, "model_dtype": precision},
+                                  "deferred": defer,
+                                  "weights": {"dtype": weights, "group_size": group_size,
+                                              "bytes": report.initializer_bytes}}
 
     # --- load -------------------------------------------------------------------------------------
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,

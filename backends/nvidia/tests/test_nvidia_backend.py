@@ -49,7 +49,7 @@ def test_registered_and_capabilities() -> None:
     caps = b.capabilities()
     assert isinstance(b, NvidiaBackend)
     assert caps.ir_cache_style == "static" and caps.cache_policy == "fixed" and caps.deferred_build
-    assert caps.default_precision == "fp16" and set(caps.precisions) == {"fp16", "bf16"}
+    assert caps.default_precision == "fp16" and set(caps.precisions) == {"fp16", "bf16", "int8", "int4"}
     assert "tensorrt" not in sys.modules  # registering and asking imports no SDK
 
 

@@ -142,3 +142,18 @@ def test_deferred_artifact_builds_at_first_load(tiny_ckpt: Path, built: Path, tm
                 options=BuildOptions(max_batch=2, extra={"defer": True}))
     assert read(out).target["deferred"]
     assert _greedy(out) == _greedy(built)
+
+
+@pytest.mark.parametrize("weights,group", [("int4", 32), ("int8", None)])
+def test_int4_engine_builds_and_verifies(tmp_path: Path, weights: str, group: int | None) -> None:
+    """The trained default model with weight-only int4 (blocked INT4 DequantizeLinear) and int8 (per channel):
+    TensorRT parses and builds the plan, and kvexport.build's verify passes the teacher-forced row."""
+    from kvexport.build import build
+    from kvexport.zoo import write_named
+
+    ckpt = write_named("default", tmp_path / "default")
+    out = build(ckpt, tmp_path / f"default-{weights}.kvx", target="nvidia", max_seq=256, verify=True,
+                options=BuildOptions(weights=weights, group_size=group, max_batch=2))
+    m = read(out)
+    assert m.raw["verification"]["passed"] and m.target["weights"]["dtype"] == weights
+    assert m.raw["verification"]["mode"] == "teacher-forced" and (out / ENGINE_DIR / PLAN).is_file()

@@ -1,5 +1,8 @@
-"""nvidia int8/int4 weights: the DequantizeLinear the lowering writes, its numerics on ONNX Runtime, the errors."""
+"""nvidia int8/int4 weights: the DequantizeLinear the packaged graph holds, its numerics on ONNX Runtime, the
+records, the errors, and the trained default model through the graph TensorRT would parse against its rows."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -7,10 +10,14 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from kvexport.artifact import open_artifact
+from kvexport.backends import BuildOptions
 from kvexport.errors import InputError
 from kvexport_nvidia import quantize as q
+from kvexport_nvidia.backend import ENGINE_DIR, PREPARED
+from kvexport_nvidia.lowering import lower
 
-from nvidia_ort_twin import twin_options
+from nvidia_ort_twin import OrtTwinSession, twin_options
 
 
 def _matmul_model(shapes: dict[str, tuple[int, int]]) -> onnx.ModelProto:
@@ -94,3 +101,82 @@ def test_bad_modes_are_input_errors() -> None:
     for mode, group in (("int4", 48), ("int4", None), ("int2", 32)):
         with pytest.raises(InputError, match="int4|int8"):
             q.quantize_weights(_matmul_model({"a": (64, 16)}), mode, group)  # type: ignore[arg-type]
+
+
+class _DeferredBuilds(dict):
+    """(weights, group) -> the trained default model's deferred nvidia artifact, built once by kvexport.build."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+        self.ckpt = root / "default"
+
+    def __missing__(self, mode: tuple[str, int | None]) -> Path:
+        from kvexport.build import build
+        from kvexport.zoo import write_named
+
+        if not self.ckpt.exists():
+            write_named("default", self.ckpt)
+        weights, group = mode
+        self[mode] = build(self.ckpt, self.root / f"{weights}-{group}.kvx", target="nvidia", max_seq=256,
+                           verify=False, options=BuildOptions(weights=weights, group_size=group, max_batch=2,
+                                                              extra={"defer": True}))
+        return self[mode]
+
+
+@pytest.fixture(scope="module")
+def deferred(tmp_path_factory: pytest.TempPathFactory) -> _DeferredBuilds:
+    return _DeferredBuilds(tmp_path_factory.mktemp("nv-quant"))
+
+
+def test_lowered_default_model_reads_every_matmul_weight_through_dequantize(deferred) -> None:  # type: ignore[no-untyped-def]
+    """After every pass: all 17 MatMul weights come from DequantizeLinear, the scales (and the DQ outputs) are
+    fp16, and the weights take under half the fp16 graph's bytes (the fp16 embedding stays)."""
+    folder, m = open_artifact(deferred[("int4", 32)])
+    src = folder / m.raw["ir"]["file"]  # the fp32 IR the artifact was lowered from
+    rep16 = lower(onnx.load(str(src)), max_seq=m.max_seq, precision="fp16", pairs=m.kv_pairs())
+    model = onnx.load(str(src))
+    rep = lower(model, max_seq=m.max_seq, precision="fp16", pairs=m.kv_pairs(), weights="int4", group_size=32)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    matmuls = [n for n in model.graph.node if n.op_type == "MatMul"]
+    assert len(matmuls) == 17
+    assert all(producers[n.input[1]].op_type == "DequantizeLinear" for n in matmuls)
+    inits = {i.name: i for i in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "DequantizeLinear":
+            assert inits[n.input[1]].data_type == TensorProto.FLOAT16
+    assert rep.weights == {"mode": "int4", "group_size": 32, "int4_layers": 16, "int8_layers": 1,
+                           "int8_instead_of_int4": ["lm_head/MatMul_0"]}
+    assert rep.initializer_bytes < 0.45 * rep16.initializer_bytes
+    assert m.target["weights"]["bytes"] == rep.initializer_bytes  # what the build recorded
+
+
+@pytest.mark.parametrize("weights,group,key", [("int4", 32, "int4-g32+kv-fp16"), ("int8", None, "int8+kv-fp16")])
+def test_packaged_quantized_graph_verifies_on_the_trained_model(deferred, weights: str, group: int | None,  # type: ignore[no-untyped-def]
+                                                                key: str) -> None:
+    """The deferred int8/int4 artifact of the trained default model: its packaged graph (what TensorRT parses),
+    run by ONNX Runtime with the TensorRT session's slot model, passes its teacher-forced row; the manifest
+    records the weights' mode, block and counted bytes."""
+    from kvexport.runtime.engine import Engine
+    from kvexport.verify import verify_engine
+
+    folder, m = open_artifact(deferred[(weights, group)])
+    t = m.target
+    assert t["precision"] == weights and t["weights"]["dtype"] == weights and t["weights"]["group_size"] == group
+    assert t["kv"]["dtype"] == "fp16" and t["options"]["model_dtype"] == "fp16"
+    assert 0 < t["weights"]["bytes"] < m.raw["model"]["num_parameters"] * 2
+    report = verify_engine(Engine(folder, m, OrtTwinSession(folder / ENGINE_DIR / PREPARED, m)), deferred.ckpt,
+                           decode_steps=8)
+    assert (report.backend, report.precision) == ("nvidia", key)
+    assert report.mode == "teacher-forced"
+    assert report.passed, report.failures
+
+
+def test_int8_with_a_block_size_is_refused_before_export(tmp_path: Path) -> None:
+    from kvexport.build import build
+    from kvexport.zoo import DEFAULT_MODEL_DIR
+
+    with pytest.raises(InputError, match="per output channel"):
+        build(DEFAULT_MODEL_DIR, tmp_path / "x.kvx", target="nvidia", max_seq=64, verify=False,
+              options=BuildOptions(weights="int8", group_size=128, extra={"defer": True}))
+    assert not list(tmp_path.iterdir())
