@@ -180,3 +180,25 @@ def test_int8_with_a_block_size_is_refused_before_export(tmp_path: Path) -> None
         build(DEFAULT_MODEL_DIR, tmp_path / "x.kvx", target="nvidia", max_seq=64, verify=False,
               options=BuildOptions(weights="int8", group_size=128, extra={"defer": True}))
     assert not list(tmp_path.iterdir())
+
+
+def test_int4_with_its_nibbles_swapped_fails_its_row(deferred, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A packing bug (each byte's two INT4 values in the other order, as TensorRT would read a graph packed
+    high-nibble first) fails the int4 row on the text's measures."""
+    from kvexport.runtime.engine import Engine
+    from kvexport.verify import verify_engine
+
+    folder, m = open_artifact(deferred[("int4", 32)])
+    model = onnx.load(str(folder / ENGINE_DIR / PREPARED))
+    swapped = 0
+    for t in model.graph.initializer:
+        if t.data_type == TensorProto.INT4:
+            b = np.frombuffer(t.raw_data, dtype=np.uint8)
+            t.raw_data = ((b << 4) | (b >> 4)).astype(np.uint8).tobytes()
+            swapped += 1
+    assert swapped == 16
+    bad = tmp_path / "swapped.onnx"
+    onnx.save_model(model, str(bad), save_as_external_data=True, location="swapped.onnx.data")
+    report = verify_engine(Engine(folder, m, OrtTwinSession(bad, m)), deferred.ckpt, decode_steps=8)
+    assert not report.passed
+    assert any(f.startswith(("text", "held-out")) for f in report.failures), report.failures
