@@ -23,6 +23,7 @@ def test_precision_key_marks_a_lossy_kv_cache() -> None:
     ({"dtype": "int4", "group_size": 128}, {"dtype": "int8"}, "int4-g128+kv-int8"),
     ({"dtype": "fp32", "group_size": None}, {"dtype": "int8"}, "fp32+kv-int8"),
     ({"dtype": "fp16", "group_size": None}, {"dtype": "fp16"}, "fp16"),  # a cache in the weights' own type
+    ({"dtype": "int8", "group_size": None}, {"dtype": "int8"}, "int8+kv-int8"),  # int8 weights, int8 cache: both lossy
 ])
 def test_precision_key_reads_the_weights_and_kv_records(weights: dict, kv: dict, key: str) -> None:
     assert precision_key({"precision": weights["dtype"], "weights": weights, "kv": kv}) == key

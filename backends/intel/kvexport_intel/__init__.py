@@ -7,17 +7,20 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from kvexport.backends import Backend, BuildOptions, Capabilities, Option, Progress, parse_bool
+from kvexport.backends import AutoMode, Backend, BuildOptions, Capabilities, Option, Progress, parse_bool
 from kvexport.doctor import cpu_info
 from kvexport.errors import ArtifactError, InputError, KvexportError
 from kvexport.manifest import Manifest
-from kvexport_intel import isa, numa
+from kvexport_intel import compress, isa, numa
 from kvexport_intel.session import KV_ITEM_BYTES, IntelSession
 
 ENGINE_DIR = "engine"
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16"}
 KV_PRECISIONS = ("f32", "f16", "u8")
 KV_MODES = {"fp32": "f32", "fp16": "f16", "int8": "u8"}  # --kv -> OpenVINO's KV_CACHE_PRECISION
+# --weights: fp32/bf16 are OpenVINO's INFERENCE_PRECISION_HINT over f32 weights; int8/int4 are NNCF-compressed
+# weights (kvexport_intel.compress), their activations in the CPU's own precision
+WEIGHT_MODES = ("fp32", "bf16", *compress.BLOCK_MODES)
 OPTIONS = (
     Option("numa_node", "str", None, "pin threads and memory to this NUMA node (a number, or auto)", phase="both"),
     Option("numa_bind", "bool", True, "bind memory to the NUMA node the threads are pinned to", phase="both"),
@@ -26,6 +29,8 @@ OPTIONS = (
            "it is another name for --kv", choices=KV_PRECISIONS, phase="load"),
     Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
            phase="load"),
+    Option("int4_sym", "bool", False, "int4 weights symmetric (NNCF INT4_SYM, no zero points) instead of "
+           "INT4_ASYM, optimum-intel's default"),
 )
 
 
@@ -70,8 +75,9 @@ class IntelBackend(Backend):
             description="OpenVINO CPU plugin, stateful KV cache with fused SDPA, AMX/AVX512-BF16-aware precision, NUMA pinning",
             ir_cache_style="concat",
             cache_policy="internal",
-            precisions=isa.PRECISIONS,
+            precisions=WEIGHT_MODES,
             default_precision=isa.auto_precision(isa.read_cpu_flags()),
+            default_group_size=dict(compress.DEFAULT_GROUP_SIZE),  # int8: per output channel, NNCF's only way
             devices=("cpu",),
             sdk=("openvino",),
             kv_modes=tuple(KV_MODES),
@@ -93,6 +99,31 @@ class IntelBackend(Backend):
             problems.append("the intel target expects an IR exported with last-token-only logits")
         return problems
 
+    def build_options(self, options: BuildOptions) -> dict[str, Any]:
+        """The declared options, and the weight-mode combinations NNCF does not make, refused before the export."""
+        extra = super().build_options(options)
+        weights = _weights_mode(options)
+        if weights == "int8" and options.group_size is not None:
+            raise InputError("the intel target compresses int8 weights per output channel (NNCF's INT8 modes take no "
+                             "group size); --group-size applies to --weights int4 here")
+        if extra["int4_sym"] and weights != "int4":
+            raise InputError(f"--option int4_sym applies to --weights int4, not {weights or 'the default'}")
+        if weights in compress.BLOCK_MODES:
+            compress.require_nncf()
+        return extra
+
+    def auto_modes(self, flags: set[str]) -> list[AutoMode]:
+        """Fewest weight bytes first (decode reads every weight once per token); bf16 only where the CPU
+        computes it; the cache in f32 first (a u8 cache pays off at long contexts, so only when asked)."""
+        g = compress.DEFAULT_GROUP_SIZE["int4"]
+        modes = [AutoMode("int4", "fp32", f"int4 weights (NNCF INT4_ASYM, group {g}): the fewest bytes a token", g),
+                 AutoMode("int8", "fp32", "int8 weights (NNCF INT8_ASYM per channel): half int4's speed-up, a "
+                          "tenth of its quality cost")]
+        if isa.has_bf16(flags):
+            modes.append(AutoMode("bf16", "fp32", isa.why_precision(flags)))
+        modes.append(AutoMode("fp32", "fp32", "fp32: exact"))
+        return modes + [AutoMode(m.weights, "int8", m.reason + "; the cache in u8", m.group_size) for m in modes]
+
     # --- build ------------------------------------------------------------------------------
     def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
         """Trace the owned decoder (weights from the IR) into a stateful OpenVINO IR under engine/."""
@@ -104,7 +135,10 @@ class IntelBackend(Backend):
             require_ipex()  # raises with the reason: IPEX is end-of-life and pinned to torch 2.8
             raise InputError("the intel target builds OpenVINO engines only; IPEX is end-of-life (see docs/backends/intel.md)")
         flags = isa.read_cpu_flags()
-        precision = isa.normalize_precision(options.precision) if options.precision else isa.auto_precision(flags)
+        weights = _weights_mode(options) or isa.auto_precision(flags)
+        # fp32/bf16: the inference precision itself; int8/int4 weights: activations as this CPU computes fastest
+        precision = weights if weights in OV_PRECISION else isa.auto_precision(flags)
+        plan = compress.plan(weights, options.group_size, extra["int4_sym"]) if weights in compress.BLOCK_MODES else None
         # core hands the cache's mode in options.kv (--kv, or --option kv_precision, its alias); a direct
         # caller of build may still pass kv_precision in options.extra
         kv = _kv_precision(options.extra.get("kv_precision") or KV_MODES[options.kv or "fp32"])
@@ -125,20 +159,27 @@ class IntelBackend(Backend):
         dec = decoder_from_ir(folder, manifest, cache_style="concat", last_token_only=True)
         progress("intel: tracing the stateful step through OpenVINO's PyTorch frontend")
         model = lowering.convert(dec, manifest)
+        if plan is not None:
+            progress(f"intel: compressing weights with NNCF {plan['mode']}, group size {plan['group_size']}")
+            model = compress.compress(model, plan)
+            progress(f"intel: compressed weight tensors {plan['compressed_weights']}")
         engine = folder / ENGINE_DIR
         engine.mkdir(exist_ok=True)
         ov.save_model(model, str(engine / lowering.XML), compress_to_fp16=False)
         progress(f"intel: wrote {ENGINE_DIR}/{lowering.XML} in {time.perf_counter() - t0:.1f}s; checking the fused path")
-        compiled = ov.Core().compile_model(model, "CPU", _compile_config("fp32", "f32", 0, True))
+        compiled = ov.Core().compile_model(model, "CPU", _compile_config("fp32", "f32", 0, True, plan is not None))
         fused = lowering.fused_attention_layers(compiled)
         ops = lowering.runtime_op_counts(compiled)
         layers = manifest.config.num_hidden_layers
         if fused != layers:
             warnings.warn(f"only {fused} of {layers} attention layers compiled to OpenVINO's fused "
                           "attention-with-KV-cache node; decode will be slower", IntelBackendWarning, stacklevel=2)
-        reason = isa.why_precision(flags) if not options.precision else f"{precision}: asked for with --precision"
+        asked = options.weights or options.precision
+        reason = isa.why_precision(flags) if not asked else f"{weights}: asked for with --weights"
+        if plan is not None:
+            reason = f"{weights} weights ({plan['mode']}, NNCF); activations {isa.why_precision(flags)}"
         progress(f"intel: {fused}/{layers} layers on the fused ScaledDotProductAttention+state path")
-        progress(f"intel: precision {reason}" + ("" if options.precision or precision == "fp32"
+        progress(f"intel: precision {reason}" + ("" if asked or precision == "fp32"
                                                   else " (pass --precision fp32 for exact f32 numerics)"))
         kv_cost = None
         if kv != "f32":
@@ -146,14 +187,20 @@ class IntelBackend(Backend):
 
             # verify compares with the reference; this records what the lossy cache itself costs
             exact = self._session(compiled, manifest, {"kv_precision": "f32"})
-            lossy_compiled = ov.Core().compile_model(model, "CPU", _compile_config("fp32", kv, 0, True))
+            lossy_compiled = ov.Core().compile_model(model, "CPU", _compile_config("fp32", kv, 0, True, plan is not None))
             lossy = self._session(lossy_compiled, manifest, {"kv_precision": kv})
             kv_cost = kv_precision_cost(exact, lossy)
             progress(f"intel: kv cache {kv} against the f32 cache: max |dlogit| {kv_cost['max_abs_logit']:.2e}, "
                      f"greedy agreement {kv_cost['greedy_agreement']:.3f}, mean KL {kv_cost['mean_kl']:.2e}")
         manifest.raw["target"] = {
             "backend": "intel",
-            "precision": precision,
+            "precision": weights,
+            "activations": precision,  # OpenVINO's INFERENCE_PRECISION_HINT at load
+            # bytes: the engine's .bin, every constant (weights, scales, zero points) as the CPU plugin reads it,
+            # except bf16, which the file holds in f32 and the plugin converts when it compiles
+            "weights": {"dtype": weights, "group_size": plan["group_size"] if weights == "int4" else None,
+                        "bytes": (engine / lowering.BIN).stat().st_size // (2 if weights == "bf16" else 1),
+                        **(plan or {})},
             "engine_files": [f"{ENGINE_DIR}/{lowering.XML}", f"{ENGINE_DIR}/{lowering.BIN}"],
             "fingerprint": {
                 "openvino": _openvino_version(),
@@ -186,7 +233,7 @@ class IntelBackend(Backend):
         xml = folder / ENGINE_DIR / lowering.XML  # present and intact: Backend.load checked every file
 
         flags = isa.read_cpu_flags()
-        wanted = isa.normalize_precision(options.get("precision") or target["precision"])
+        wanted = isa.normalize_precision(options.get("precision") or target.get("activations") or target["precision"])
         precision, warning = isa.runtime_precision(wanted, flags)
         if warning:
             warnings.warn(warning, IntelBackendWarning, stacklevel=3)
@@ -195,13 +242,15 @@ class IntelBackend(Backend):
         placement = place(options.get("numa_node", built.get("numa_node")),
                           parse_bool("numa_bind", options.get("numa_bind", built.get("numa_bind", True))))
         threads = threads or built.get("threads") or placement["threads"]
-        config = _compile_config(precision, kv, int(threads), pinned=True)
+        compressed = (target.get("weights") or {}).get("dtype") in compress.BLOCK_MODES
+        config = _compile_config(precision, kv, int(threads), pinned=True, compressed=compressed)
         core = ov.Core()  # made after pinning, so the plugin's CPU map sees the node's cores
         try:
             compiled = core.compile_model(core.read_model(str(xml)), "CPU", config)
         except RuntimeError as e:
             raise ArtifactError(f"OpenVINO could not compile {xml}: {e}; rebuild the artifact with this OpenVINO") from e
         facts = {"threads": int(threads), "precision": precision, "kv_precision": kv, "warning": warning,
+                 "weights": (target.get("weights") or {}).get("dtype", target["precision"]),
                  "openvino": _openvino_version(), "numa": placement,
                  "fused_attention_layers": lowering.fused_attention_layers(compiled)}
         return self._session(compiled, manifest, facts)
@@ -222,7 +271,20 @@ class IntelBackend(Backend):
                 "offline_cpus": list(topo.offline)}
 
 
-def _compile_config(precision: str, kv: str, threads: int, pinned: bool) -> dict[str, Any]:
+def _weights_mode(options: BuildOptions) -> str | None:
+    """--weights (or --precision, its other name) in the shared vocabulary; None: not given."""
+    from kvexport.precision import canonical
+
+    asked = options.weights or options.precision
+    if asked is None:
+        return None
+    weights = canonical(asked)
+    if weights not in WEIGHT_MODES:
+        raise InputError(f"the intel target builds --weights {', '.join(WEIGHT_MODES)}, not {asked!r}")
+    return weights
+
+
+def _compile_config(precision: str, kv: str, threads: int, pinned: bool, compressed: bool = False) -> dict[str, Any]:
     config: dict[str, Any] = {
         "INFERENCE_PRECISION_HINT": OV_PRECISION[precision],
         "KV_CACHE_PRECISION": kv,  # OpenVINO's default is u8 on x86: set it, or f32 is not exact
@@ -234,8 +296,10 @@ def _compile_config(precision: str, kv: str, threads: int, pinned: bool) -> dict
     }
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
-    if precision == "fp32":
+    if precision == "fp32" and not compressed:
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0  # no int8 activations anywhere in an exact run
+    # int8/int4 weights keep the plugin's default, activations quantized per group of 32 into the compressed
+    # matmuls: what OpenVINO GenAI runs, and faster here (docs/backends/intel.md); their rows include its error
     return config
 
 

@@ -74,8 +74,8 @@ def test_bad_options_fail_before_any_export(extra: dict, match: str, tmp_path: P
 
 
 def test_bad_precision_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="precisions"):
-        build(None, tmp_path / "x.kvx", target="intel", options=BuildOptions(precision="int4"))
+    with pytest.raises(InputError, match="builds weight precisions fp32, bf16, int8, int4"):  # no fp16
+        build(None, tmp_path / "x.kvx", target="intel", options=BuildOptions(precision="fp16"))
 
 
 def test_ipex_path_says_plainly_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:

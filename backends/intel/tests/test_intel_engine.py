@@ -162,7 +162,7 @@ def test_bf16_artifact_runs_bf16_or_falls_back_with_a_warning(intel_artifacts: d
     ckpt, art = intel_artifacts["llama"]
     b16 = Path(shutil.copytree(art, tmp_path / "bf16.kvx"))
     m = json.loads((b16 / "manifest.json").read_text())
-    m["target"]["precision"] = "bf16"  # as `--precision bf16` records it (the engine files are the same)
+    m["target"]["precision"] = m["target"]["activations"] = "bf16"  # as `--weights bf16` records it (same engine files)
     (b16 / "manifest.json").write_text(json.dumps(m))
     flags = isa.read_cpu_flags()
     with warnings.catch_warnings(record=True) as caught:
