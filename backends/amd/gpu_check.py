@@ -58,17 +58,20 @@ def decode_run(engine: Any, ids: list[int]) -> dict[str, Any]:
     return best
 
 
-def check_model(name: str, work: Path, say: Any) -> dict[str, Any]:
+def check_model(name: str, work: Path, say: Any, weights: str | None = None) -> dict[str, Any]:
     import kvexport
     from kvexport.backends import BuildOptions
     from kvexport.build import build
     from kvexport.zoo import write_named
 
-    ckpt = write_named(name, work / name, seed=0)
+    ckpt = work / name
+    if not ckpt.exists():
+        write_named(name, ckpt, seed=0)
     max_seq = 1024 if name == "bench-125m" else None
     t0 = time.perf_counter()
-    art = build(ckpt, work / f"{name}-amd.kvx", target="amd", max_seq=max_seq,
-                options=BuildOptions(max_batch=4, extra={"device": "gpu"}), verify=True, progress=say)
+    art = build(ckpt, work / f"{name}-{weights or 'default'}-amd.kvx", target="amd", max_seq=max_seq,
+                options=BuildOptions(weights=weights, max_batch=4, extra={"device": "gpu"}), verify=True,
+                progress=say)
     result: dict[str, Any] = {"build_and_verify_s": round(time.perf_counter() - t0, 1)}
     m = json.loads((art / "manifest.json").read_text())
     result.update(target=m["target"], verification=m["verification"])
@@ -95,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("amd_gpu_check.json"))
     p.add_argument("--models", default="default,bench-125m")
+    p.add_argument("--weights", default="default,int8,int4",
+                   help="weight modes to build each model in (default: the target's own; int4 at group 32)")
     args = p.parse_args(argv)
     start = time.perf_counter()
 
@@ -111,15 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     report: dict[str, Any] = {"doctor": doctor, "models": {}}
     with tempfile.TemporaryDirectory(prefix="kvx-amd-gpu-") as tmp:
-        for name in [m for m in args.models.split(",") if m]:
+        runs = [(m, w) for m in args.models.split(",") if m for w in args.weights.split(",") if w]
+        for name, weights in runs:
+            key = name if weights == "default" else f"{name}:{weights}"
             if time.perf_counter() - start > BUDGET_S:
-                report["models"][name] = {"skipped": f"time budget ({BUDGET_S}s) spent before it started"}
+                report["models"][key] = {"skipped": f"time budget ({BUDGET_S}s) spent before it started"}
                 continue
             try:
-                report["models"][name] = check_model(name, Path(tmp), say)
+                report["models"][key] = check_model(name, Path(tmp), say, None if weights == "default" else weights)
             except Exception as e:  # noqa: BLE001 - one model's failure is recorded, the others still run
-                report["models"][name] = {"error": f"{type(e).__name__}: {e}"}
-                say(f"{name} failed: {type(e).__name__}: {e}")
+                report["models"][key] = {"error": f"{type(e).__name__}: {e}"}
+                say(f"{key} failed: {type(e).__name__}: {e}")
     report["total_s"] = round(time.perf_counter() - start, 1)
     args.out.write_text(json.dumps(report, indent=2, default=str))
     say(f"wrote {args.out}")
