@@ -76,7 +76,7 @@ def bench_hf(model: Any, ids: list[int]) -> dict[str, Any]:
     return {"ttft_s": t1, "decode_tok_s": (NEW_TOKENS - 1) / max(tn - t1, 1e-9), "tokens": tokens}
 
 
-def check_model(name: str, work: Path, say: Any) -> dict[str, Any]:
+def check_model(name: str, work: Path, say: Any, weights: str = "fp16") -> dict[str, Any]:
     import torch
     import transformers
 
@@ -85,10 +85,12 @@ def check_model(name: str, work: Path, say: Any) -> dict[str, Any]:
     from kvexport.build import build
     from kvexport.zoo import write_named
 
-    ckpt = write_named(name, work / name)
+    ckpt = work / name
+    if not ckpt.exists():
+        write_named(name, ckpt)
     t0 = time.perf_counter()
-    art = build(ckpt, work / f"{name}.kvx", target="nvidia", options=BuildOptions(precision="fp16", max_batch=4),
-                verify=True, progress=say)
+    art = build(ckpt, work / f"{name}-{weights}.kvx", target="nvidia", verify=True, progress=say,
+                options=BuildOptions(weights=weights, max_batch=4))
     build_s = time.perf_counter() - t0
     manifest = json.loads((art / "manifest.json").read_text())
     result: dict[str, Any] = {"build_s": build_s, "verification": manifest["verification"],
@@ -113,7 +115,7 @@ def check_model(name: str, work: Path, say: Any) -> dict[str, Any]:
             "greedy_agreement_vs_hf_fp16": agree,
             "identical_prefix_tokens": first_diff,
         }
-        say(f"{name} prompt {n}: decode {g['decode_tok_s']:.0f} tok/s (graph) / {e['decode_tok_s']:.0f} (eager) "
+        say(f"{name} {weights} prompt {n}: decode {g['decode_tok_s']:.0f} tok/s (graph) / {e['decode_tok_s']:.0f} (eager) "
             f"vs HF {h['decode_tok_s']:.0f} -> x{result['prompts'][n]['decode_ratio_vs_hf']:.2f}; agreement {agree:.2f}")
     del hf
     torch.cuda.empty_cache()
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("nvidia_gpu_check.json"))
     p.add_argument("--models", default="default,bench-125m")
+    p.add_argument("--weights", default="fp16,int4",
+                   help="weight modes to build each model in (int4 at group 32, over fp16)")
     args = p.parse_args(argv)
 
     from kvexport_nvidia.backend import NvidiaBackend
@@ -141,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"doctor": backend.doctor(), "models": {}}
     with tempfile.TemporaryDirectory(prefix="kvx-gpu-check-") as tmp:
         for name in args.models.split(","):
-            report["models"][name] = check_model(name, Path(tmp), say)
+            for weights in args.weights.split(","):
+                key = name if weights == "fp16" else f"{name}:{weights}"
+                report["models"][key] = check_model(name, Path(tmp), say, weights)
     report["total_s"] = time.perf_counter() - t0
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     say(f"wrote {args.out}")
