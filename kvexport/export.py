@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir
 import torch
 from onnx import numpy_helper
 
@@ -142,16 +143,19 @@ def export_onnx(
             verbose=False,
         )
     say(f"traced in {time.perf_counter() - t0:.1f}s; writing {MODEL_FILE}")
-    model = program.model_proto
+    path = out / MODEL_FILE
+    (out / DATA_FILE).unlink(missing_ok=True)
+    # each weight goes from the decoder's tensor to model.onnx.data on its own (program.model_proto would
+    # copy them all into one proto: a second model in memory, and past 2 GB a proto protobuf cannot write)
+    onnx_ir.save(program.model, path, external_data=DATA_FILE, size_threshold_bytes=1024)
+    del program
+    model = onnx.load(str(path), load_external_data=False)
     finalize_graph(model, ck.config.model_type)
-    weights = weight_map(model, dec)
+    weights = weight_map(model, dec, out)
     lost = [n for n, _ in dec.named_parameters() if n not in weights]
     if lost:  # the IR still runs; only backends that rebuild the decoder from it (decoder_from_ir) refuse it
         say(f"warning: no initializer of the IR holds {', '.join(lost[:4])}{' ...' if len(lost) > 4 else ''}")
-    path = out / MODEL_FILE
-    (out / DATA_FILE).unlink(missing_ok=True)
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=DATA_FILE, size_threshold=1024)
+    onnx.save_model(model, str(path))  # names only changed: the weights stay where they were written
     return ExportedIR(path, weights)
 
 
@@ -231,11 +235,18 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _init_bytes(init: onnx.TensorProto) -> bytes:
+def _init_bytes(init: onnx.TensorProto, folder: Path | None = None) -> bytes:
+    """An initializer's bytes, read from its external-data file (relative to folder) when it has one."""
+    if init.data_location == onnx.TensorProto.EXTERNAL:
+        assert folder is not None, f"{init.name} is external: pass the folder its data lives in"
+        where = {e.key: e.value for e in init.external_data}
+        with open(Path(folder) / where["location"], "rb") as f:
+            f.seek(int(where.get("offset", 0)))
+            return f.read(int(where["length"]))
     return init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).tobytes()
 
 
-def weight_map(model: onnx.ModelProto, dec: Decoder) -> dict[str, dict]:
+def weight_map(model: onnx.ModelProto, dec: Decoder, folder: Path | None = None) -> dict[str, dict]:
     """Decoder parameter name -> {"initializer", "transposed", "shape"}: the initializer of `model`
     that holds the parameter's exact value (transposed: as a MatMul's `{module}/weight_t`).
 
@@ -252,7 +263,7 @@ def weight_map(model: onnx.ModelProto, dec: Decoder) -> dict[str, dict]:
 
     def digest(init: onnx.TensorProto) -> str:
         if init.name not in digests:
-            digests[init.name] = hashlib.sha256(_init_bytes(init)).hexdigest()
+            digests[init.name] = hashlib.sha256(_init_bytes(init, folder)).hexdigest()
         return digests[init.name]
 
     out: dict[str, dict] = {}
@@ -264,7 +275,7 @@ def weight_map(model: onnx.ModelProto, dec: Decoder) -> dict[str, dict]:
         for transposed, dims in forms:  # the names finalize_graph gives
             init = by_name.get(f"{module}/{leaf}_t" if transposed else name)
             if init is not None and init.data_type == dtype and list(init.dims) == dims:
-                if _init_bytes(init) == _tensor_bytes(p.t() if transposed else p):
+                if _init_bytes(init, folder) == _tensor_bytes(p.t() if transposed else p):
                     found = (init.name, transposed)
                     break
         for transposed, dims in forms if found is None else []:  # merged with an equal tensor
