@@ -1,0 +1,370 @@
+"""Time kvexport artifacts beside the peers users would pick instead, built from the same checkpoint.
+
+The peers are onnxruntime-genai (its model builder's ONNX models) and OpenVINO GenAI (models from
+`optimum-cli export openvino`). They live in their own virtualenv, benchmarks/.peers-venv, made by
+`setup` from benchmarks/peers-requirements.txt under benchmarks/peers-constraints.txt (torch stays
+the CPU build kvexport pins): kvexport does not depend on them.
+
+    python benchmarks/peers.py setup
+    python benchmarks/peers.py build out/bench-1b -o out/peers --group-size 32 --modes fp32,int4
+    python benchmarks/peers.py bench out/b1-int4.kvx out/peers/ortgenai-int4-g32 out/peers/openvino-int4-g32 \
+        --prompt-lens 32,512 --rounds 3
+
+`bench` runs the protocol of docs/benchmarks.md: greedy, 64 new tokens, batch 1, 2 threads, every
+system warmed up and then timed back to back in each round; it reports each system's best round
+and the median of its per-round ratios to the first system. Each system runs in a worker process
+of its own (kvexport artifacts in this interpreter's environment, peers in the peers' virtualenv),
+loaded once; only one works at a time. Prompts are token ids fed to each engine directly, so no
+tokenizer is timed. Time to first token is the prompt's forward pass plus picking the first token;
+decode tok/s is the following tokens over their wall time, as `kvexport bench` counts them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VENV = HERE / ".peers-venv"
+PEER_PYTHON = VENV / "bin" / "python"
+REQUIREMENTS = HERE / "peers-requirements.txt"
+CONSTRAINTS = HERE / "peers-constraints.txt"
+
+
+# --- systems and their workers --------------------------------------------------------------
+def kind_of(path: Path) -> str:
+    """kvexport artifact, onnxruntime-genai model folder or OpenVINO model folder, by the files it holds."""
+    if (path / "manifest.json").is_file():
+        return "kvexport"
+    if (path / "genai_config.json").is_file():
+        return "ortgenai"
+    if (path / "openvino_model.xml").is_file():
+        return "openvino"
+    sys.exit(f"error: {path} is neither a kvexport artifact (manifest.json), an onnxruntime-genai model "
+             "(genai_config.json) nor an OpenVINO model (openvino_model.xml); make peers with `peers.py build`")
+
+
+def prompt_ids(n: int, vocab: int) -> list[int]:
+    """The ids `kvexport bench` uses: seeded bytes of the byte-level tokenizer (ids 3..258)."""
+    import numpy as np
+
+    return [int(t) for t in np.random.default_rng(0).integers(3, min(vocab, 259), n)]
+
+
+class KvexportRunner:
+    def __init__(self, path: Path, threads: int, options: dict[str, str]):
+        import kvexport
+
+        self.engine = kvexport.load(str(path), threads=threads)
+        self.vocab = self.engine.vocab_size
+        target = self.engine.manifest.target or {}
+        self.info = {"kvexport": kvexport.__version__, "backend": target.get("backend"),
+                     "weights": target.get("weights"), "kv": target.get("kv")}
+
+    def run(self, ids: list[int], new: int) -> dict[str, float]:
+        from kvexport.bench import bench_engine
+
+        engine = self.engine
+        assert ids == prompt_ids(len(ids), engine.vocab_size)  # bench_engine draws the same ids
+        r = bench_engine(engine, len(ids), new)
+        return {"ttft_s": r["ttft_s"], "decode_tok_s": r["decode_tok_s"], "tokens": new}
+
+
+class OrtGenaiRunner:
+    """onnxruntime-genai: its threads are set in genai_config.json (`build` writes them)."""
+
+    def __init__(self, path: Path, threads: int, options: dict[str, str]):
+        import onnxruntime_genai as og
+
+        self.og = og
+        cfg = json.loads((path / "genai_config.json").read_text())
+        so = cfg["model"]["decoder"].get("session_options", {})
+        if so.get("intra_op_num_threads") != threads:
+            sys.exit(f"error: {path}/genai_config.json runs {so.get('intra_op_num_threads')} threads, not {threads}; "
+                     "rebuild it with `peers.py build --threads N`")
+        self.model = og.Model(str(path))
+        self.vocab = int(cfg["model"]["vocab_size"])
+        self.info = {"onnxruntime-genai": og.__version__, "session_options": so}
+
+    def run(self, ids: list[int], new: int) -> dict[str, float]:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(ids) + new, min_length=len(ids) + new, do_sample=False)
+        gen = og.Generator(self.model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens([ids])  # the prompt's forward pass
+        gen.generate_next_token()  # picks the first token from its logits
+        ttft = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        n = 1
+        while n < new and not gen.is_done():
+            gen.generate_next_token()  # forward pass of the last token, then the pick
+            n += 1
+        return {"ttft_s": ttft, "decode_tok_s": (n - 1) / (time.perf_counter() - t1), "tokens": n}
+
+
+class OpenVinoRunner:
+    """OpenVINO GenAI's LLMPipeline on CPU. Properties that differ silently from kvexport's are set
+    (threads, one stream, f32 inference precision) or reported: the CPU plugin keeps a u8 KV cache by
+    default on x86, so the cache precision is set explicitly (--ov-kv, default f32 like kvexport's
+    default cache), and its dynamic quantization of activations (what MatMulNBits calls accuracy level)
+    is printed as the plugin reports it."""
+
+    def __init__(self, path: Path, threads: int, options: dict[str, str]):
+        import openvino as ov
+        import openvino_genai as ov_genai
+
+        self.ov, self.ov_genai = ov, ov_genai
+        kv = options.get("ov_kv", "f32")
+        props = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "f32",
+                 "KV_CACHE_PRECISION": kv, "PERFORMANCE_HINT": "LATENCY"}
+        self.pipe = ov_genai.LLMPipeline(str(path), "CPU", **props)
+        core = ov.Core()
+        self.vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+        defaults = {}
+        for key in ("KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE", "INFERENCE_PRECISION_HINT"):
+            try:
+                defaults[key] = str(core.get_property("CPU", key))
+            except RuntimeError as e:  # a property this plugin version does not report
+                defaults[key] = f"not reported ({str(e).splitlines()[0][:60]})"
+        self.info = {"openvino": ov.__version__, "openvino-genai": ov_genai.__version__, "set": props,
+                     "cpu_plugin_defaults": defaults}
+
+    def run(self, ids: list[int], new: int) -> dict[str, float]:
+        import numpy as np
+
+        ov_genai = self.ov_genai
+        cfg = ov_genai.GenerationConfig()
+        cfg.max_new_tokens = cfg.min_new_tokens = new
+        cfg.do_sample = False
+        cfg.ignore_eos = True
+        stamps: list[float] = []
+
+        class Stamps(ov_genai.StreamerBase):
+            def write(self, token):  # type: ignore[no-untyped-def]
+                stamps.extend([time.perf_counter()] * (len(token) if isinstance(token, list) else 1))
+                return ov_genai.StreamingStatus.RUNNING
+
+            def end(self) -> None:
+                pass
+
+        t0 = time.perf_counter()
+        self.pipe.generate(self.ov.Tensor(np.array([ids], dtype=np.int64)), cfg, Stamps())
+        return {"ttft_s": stamps[0] - t0, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+                "tokens": len(stamps)}
+
+
+RUNNERS = {"kvexport": KvexportRunner, "ortgenai": OrtGenaiRunner, "openvino": OpenVinoRunner}
+
+
+def worker(a: argparse.Namespace) -> None:
+    """Load one system, warm it up, then answer `RUN prompt_len new_tokens` lines with one JSON line each."""
+    path = Path(a.path)
+    runner = RUNNERS[kind_of(path)](path, a.threads, json.loads(a.options))
+    runner.run(prompt_ids(8, runner.vocab), 4)  # warm-up: first-call allocations and kernel selection
+    print(json.dumps({"ready": True, "info": runner.info, "vocab": runner.vocab}), flush=True)
+    for line in sys.stdin:
+        _, p, n = line.split()
+        print(json.dumps(runner.run(prompt_ids(int(p), runner.vocab), int(n))), flush=True)
+
+
+class Worker:
+    def __init__(self, path: Path, threads: int, options: dict[str, str]):
+        self.path, self.kind = path, kind_of(path)
+        python = sys.executable if self.kind == "kvexport" else str(PEER_PYTHON)
+        if self.kind != "kvexport" and not PEER_PYTHON.is_file():
+            sys.exit(f"error: {self.kind} runs in {VENV}, which does not exist; run `python {__file__} setup` first")
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen([python, __file__, "worker", str(path), "--threads", str(threads),
+                                      "--options", json.dumps(options)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.ready = self._read()
+        self.info = self.ready["info"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            sys.exit(f"error: the worker for {self.path} ({self.kind}) exited with {self.proc.wait()}; see its errors above")
+        return json.loads(line)
+
+    def run(self, prompt_len: int, new: int) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"RUN {prompt_len} {new}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait()
+
+
+def bench(a: argparse.Namespace) -> None:
+    paths = [Path(p) for p in a.systems]
+    options = {"ov_kv": a.ov_kv}
+    prompts = [int(x) for x in a.prompt_lens.split(",")]
+    print(f"cpu: {_cpu_name()}; {a.threads} threads, {a.new_tokens} new tokens, greedy, batch 1, "
+          f"{a.rounds} interleaved rounds", flush=True)
+    workers = []
+    for p in paths:  # loaded one after another; each warms itself up before it says ready
+        w = Worker(p, a.threads, options)
+        print(f"  {p} [{w.kind}]: {json.dumps(w.info)}", flush=True)
+        workers.append(w)
+    report: dict = {"systems": {str(w.path): {"kind": w.kind, "info": w.info} for w in workers}, "prompts": {}}
+    try:
+        for p in prompts:
+            runs: dict[str, list[dict]] = {str(w.path): [] for w in workers}
+            for r in range(a.rounds):
+                for w in workers:
+                    runs[str(w.path)].append(w.run(p, a.new_tokens))
+                print(f"prompt {p} round {r + 1}: " + ", ".join(
+                    f"{Path(k).name} {v[-1]['decode_tok_s']:.1f} tok/s" for k, v in runs.items()), flush=True)
+            first = runs[str(workers[0].path)]
+            row = {}
+            for key, rs in runs.items():
+                paired = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(rs, first)]
+                row[key] = {"decode_tok_s": max(x["decode_tok_s"] for x in rs), "ttft_s": min(x["ttft_s"] for x in rs),
+                            "tokens": min(x["tokens"] for x in rs), "decode_tok_s_per_round": [x["decode_tok_s"] for x in rs],
+                            "decode_ratio_vs_first_median_round": statistics.median(paired)}
+                row[key]["ttft_ratio_vs_first"] = row[key]["ttft_s"] / min(x["ttft_s"] for x in first)
+            report["prompts"][str(p)] = row
+    finally:
+        for w in workers:
+            w.close()
+    if a.json:
+        print(json.dumps(report, indent=2))
+        return
+    for p, row in report["prompts"].items():
+        print(f"prompt {p} (ratios to {paths[0].name}: median of per-round paired decode ratios; best TTFT over best):")
+        for key, v in row.items():
+            short = "" if v["tokens"] == a.new_tokens else f"  (stopped after {v['tokens']} tokens)"
+            print(f"  {Path(key).name:28s} decode {v['decode_tok_s']:7.1f} tok/s  x{v['decode_ratio_vs_first_median_round']:.2f}   "
+                  f"ttft {v['ttft_s'] * 1e3:8.1f} ms  x{v['ttft_ratio_vs_first']:.2f}{short}")
+
+
+def _cpu_name() -> str:
+    try:
+        from kvexport.doctor import cpu_info
+
+        info = cpu_info()
+        isa = [name for name, present in info["isa"].items() if present]
+        return f"{info['model']} ({', '.join(isa) or 'no ISA extension reported'})"
+    except ImportError:
+        return "unknown (kvexport not importable here)"
+
+
+# --- setup and build ------------------------------------------------------------------------
+def setup(a: argparse.Namespace) -> None:
+    if not PEER_PYTHON.is_file():
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    subprocess.run([str(PEER_PYTHON), "-m", "pip", "install", "-r", str(REQUIREMENTS), "-c", str(CONSTRAINTS)],
+                   check=True)
+    # optimum-intel pulls torchvision, whose wheel here is built for CUDA torch and breaks `import transformers`
+    # models (operator torchvision::nms does not exist); no peer needs it for text models
+    subprocess.run([str(PEER_PYTHON), "-m", "pip", "uninstall", "-y", "torchvision"], check=True)
+    torch = subprocess.run([str(PEER_PYTHON), "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    if "+cu" in torch or not torch.startswith("2.13.0"):
+        sys.exit(f"error: the peers' virtualenv got torch {torch}, not the CPU build 2.13.0; check {CONSTRAINTS}")
+    print(f"peers installed in {VENV} (torch {torch})")
+
+
+def build(a: argparse.Namespace) -> None:
+    """The peers' own converters on the same checkpoint: onnxruntime-genai's model builder (fp32; int8 and
+    int4 at --group-size) and optimum-cli's OpenVINO export (fp32; int8 per channel as NNCF's INT8_ASYM; int4 at
+    --group-size, every layer: --ratio 1.0)."""
+    if not PEER_PYTHON.is_file():
+        sys.exit(f"error: {VENV} does not exist; run `python {__file__} setup` first")
+    ckpt, out = Path(a.checkpoint), Path(a.output)
+    out.mkdir(parents=True, exist_ok=True)
+    modes = a.modes.split(",")
+    bad = sorted(set(modes) - {"fp32", "int8", "int4"})
+    if bad:
+        sys.exit(f"error: --modes takes fp32, int8 and int4, not {', '.join(bad)}")
+    bindir = VENV / "bin"
+    ckpt = _with_architectures(ckpt, out / ".checkpoint")
+    for mode in modes:
+        tag = mode + (f"-g{a.group_size}" if mode == "int4" else "")  # optimum's int8 is per channel
+        dest = out / ("ortgenai-" + (mode if mode == "fp32" else f"{mode}-g{a.group_size}"))
+        # its MatMulNBits: symmetric blocks of block_size, accuracy_level 4 (int8 compute) on cpu by default
+        extra = ["--extra_options", f"block_size={a.group_size}"] if mode != "fp32" else []
+        _run([str(PEER_PYTHON), "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(dest),
+              "-p", mode, "-e", "cpu", "-c", str(out / ".hf-cache"), *extra])
+        cfg_path = dest / "genai_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["model"]["decoder"].setdefault("session_options", {}).update(
+            intra_op_num_threads=a.threads, inter_op_num_threads=1)
+        cfg_path.write_text(json.dumps(cfg, indent=4))
+        dest = out / f"openvino-{tag}"
+        weight = ["--weight-format", mode] + (["--group-size", str(a.group_size), "--ratio", "1.0"] if mode == "int4" else [])
+        _run([str(bindir / "optimum-cli"), "export", "openvino", "-m", str(ckpt), "--task", "text-generation-with-past",
+              *weight, str(dest)])
+    print(f"peers written under {out}")
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _with_architectures(ckpt: Path, staged: Path) -> Path:
+    """The peers' converters pick their model class from config.json's `architectures`, which kvexport's
+    seeded checkpoints leave empty: a folder of links to the same files with it filled in."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    if cfg.get("architectures"):
+        return ckpt
+    if cfg["model_type"] not in ARCHITECTURES:
+        sys.exit(f"error: {ckpt}/config.json has no `architectures` and peers.py knows no class for "
+                 f"model_type {cfg['model_type']!r}; add one to its config.json")
+    staged.mkdir(parents=True, exist_ok=True)
+    for f in ckpt.iterdir():
+        link = staged / f.name
+        if f.name != "config.json" and not link.exists():
+            link.symlink_to(f.resolve())
+    (staged / "config.json").write_text(json.dumps({**cfg, "architectures": [ARCHITECTURES[cfg["model_type"]]]}, indent=2))
+    return staged
+
+
+def _run(cmd: list[str]) -> None:
+    print("+ " + " ".join(cmd), flush=True)
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    print(f"  done in {time.perf_counter() - t:.0f}s", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("setup", help=f"make {VENV} with the pinned peers").set_defaults(fn=setup)
+    s = sub.add_parser("build", help="the peers' models from one checkpoint")
+    s.add_argument("checkpoint")
+    s.add_argument("-o", "--output", required=True)
+    s.add_argument("--modes", default="fp32,int8,int4")
+    s.add_argument("--group-size", type=int, default=32, help="int4 block size (use the kvexport artifact's)")
+    s.add_argument("--threads", type=int, default=2)
+    s.set_defaults(fn=build)
+    s = sub.add_parser("bench", help="time kvexport artifacts and peer models in interleaved rounds")
+    s.add_argument("systems", nargs="+", help="kvexport artifacts and peer model folders; ratios are to the first")
+    s.add_argument("--prompt-lens", default="32,512")
+    s.add_argument("--new-tokens", type=int, default=64)
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--rounds", type=int, default=3)
+    s.add_argument("--ov-kv", choices=("f32", "u8", "f16"), default="f32",
+                   help="OpenVINO's KV cache precision (its CPU plugin defaults to u8 on x86; kvexport's default cache is fp32)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=bench)
+    s = sub.add_parser("worker", help=argparse.SUPPRESS)
+    s.add_argument("path")
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--options", default="{}")
+    s.set_defaults(fn=worker)
+    a = p.parse_args()
+    a.fn(a)
+
+
+if __name__ == "__main__":
+    main()
