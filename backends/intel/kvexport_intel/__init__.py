@@ -117,8 +117,7 @@ class IntelBackend(Backend):
         computes it; the cache in f32 first (a u8 cache pays off at long contexts, so only when asked)."""
         g = compress.DEFAULT_GROUP_SIZE["int4"]
         modes = [AutoMode("int4", "fp32", f"int4 weights (NNCF INT4_ASYM, group {g}): the fewest bytes a token", g),
-                 AutoMode("int8", "fp32", "int8 weights (NNCF INT8_ASYM per channel): half int4's speed-up, a "
-                          "tenth of its quality cost")]
+                 AutoMode("int8", "fp32", "int8 weights (NNCF INT8_ASYM per channel): a quarter of fp32's bytes")]
         if isa.has_bf16(flags):
             modes.append(AutoMode("bf16", "fp32", isa.why_precision(flags)))
         modes.append(AutoMode("fp32", "fp32", "fp32: exact"))
