@@ -122,7 +122,7 @@ def test_weight_bytes_in_the_manifest_shrink_with_the_mode(builds: _Builds) -> N
     assert ratio["int4-g128"] < 0.17  # half a byte a weight in the blocks; embedding and lm_head int8
 
 
-def test_int8_takes_no_group_size_and_int4_sym_needs_int4(builds: _Builds) -> None:
+def test_int8_takes_no_group_size_and_int4_sym_needs_int4() -> None:
     backend = IntelBackend()
     with pytest.raises(InputError, match="per output channel"):
         backend.build_options(BuildOptions(weights="int8", group_size=32))
@@ -142,8 +142,7 @@ def test_auto_never_picks_bf16_without_bf16_hardware() -> None:
 
 @pytest.mark.skipif(not isa.has_bf16(isa.read_cpu_flags()),
                     reason="OpenVINO runs bf16 only on CPUs with AMX-BF16 or AVX512-BF16; this one has neither")
-def test_bf16_weights_run_in_bf16_and_pass_their_row(builds: _Builds, trained: Path, reference: Reference,
-                                                     tmp_path: Path) -> None:
+def test_bf16_weights_run_in_bf16_and_pass_their_row(trained: Path, reference: Reference, tmp_path: Path) -> None:
     from kvexport.build import build
 
     art = build(trained, tmp_path / "bf16.kvx", target="intel", max_seq=MAX_SEQ,
