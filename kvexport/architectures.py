@@ -12,7 +12,7 @@ from typing import Any
 
 from kvexport.config import Activation, DecoderConfig, RopeConfig
 from kvexport.errors import UnsupportedArchitectureError, UnsupportedFeatureError
-from kvexport.weightmap import DEINTERLEAVE_HEADS, GATE_UP, QKV, TRANSPOSE, WeightMap, layer_map, proj, tensor
+from kvexport.weightmap import DEINTERLEAVE_HEADS, GATE_UP, QKV, TRANSPOSE, Source, WeightMap, layer_map, proj, tensor
 
 ACTIVATIONS: dict[str, Activation] = {
     "silu": "silu",
@@ -246,22 +246,17 @@ LLAMA_LAYER = layer_map(
         "mlp.down_proj": proj("mlp.down_proj"),
     }
 )
-LLAMA_GLOBALS = {
-    "embed_tokens.weight": tensor("model.embed_tokens.weight"),
-    "norm.weight": tensor("model.norm.weight"),
-    "norm.bias": tensor("model.norm.bias"),
-    "lm_head.weight": tensor("lm_head.weight"),
-}
+def model_globals(embed: str, norm: str, lm_head: str, **more: Source) -> dict[str, Source]:
+    """Embedding, final norm (weight, and bias for LayerNorm) and output head."""
+    return {"embed_tokens.weight": tensor(f"{embed}.weight"), **{f"norm.{k}": v for k, v in proj(norm).items()},
+            "lm_head.weight": tensor(f"{lm_head}.weight"), **more}
+
+
+LLAMA_GLOBALS = model_globals("model.embed_tokens", "model.norm", "lm_head")
 LLAMA_WEIGHTS = WeightMap(LLAMA_GLOBALS, "model.layers.{i}.", LLAMA_LAYER, ignore_suffixes=("rotary_emb.inv_freq",))
 
 GPT2_WEIGHTS = WeightMap(
-    globals={
-        "embed_tokens.weight": tensor("wte.weight"),
-        "embed_positions.weight": tensor("wpe.weight"),
-        "norm.weight": tensor("ln_f.weight"),
-        "norm.bias": tensor("ln_f.bias"),
-        "lm_head.weight": tensor("lm_head.weight"),
-    },
+    globals=model_globals("wte", "ln_f", "lm_head", **{"embed_positions.weight": tensor("wpe.weight")}),
     layer_prefix="h.{i}.",
     layer=layer_map(
         {
@@ -311,12 +306,7 @@ STARCODER2_WEIGHTS = WeightMap(LLAMA_GLOBALS, "model.layers.{i}.", layer_map({
 }), ignore_suffixes=("rotary_emb.inv_freq",))
 
 GPT_NEOX_WEIGHTS = WeightMap(
-    globals={
-        "embed_tokens.weight": tensor("gpt_neox.embed_in.weight"),
-        "norm.weight": tensor("gpt_neox.final_layer_norm.weight"),
-        "norm.bias": tensor("gpt_neox.final_layer_norm.bias"),
-        "lm_head.weight": tensor("embed_out.weight"),
-    },
+    globals=model_globals("gpt_neox.embed_in", "gpt_neox.final_layer_norm", "embed_out"),
     layer_prefix="gpt_neox.layers.{i}.",
     layer=layer_map({
         "attn_norm": proj("input_layernorm"),

@@ -18,7 +18,7 @@ from kvexport.export import decoder_from_ir
 from kvexport.tolerances import tolerance
 from kvexport_amd import AmdBackend, lowering
 
-from conftest import AMD_FAMILIES, batch_greedy, AMD_MAX_SEQ
+from conftest import AMD_COMPILED_FAMILIES, AMD_MAX_SEQ, batch_greedy, engine_greedy
 
 STEPS = 32
 
@@ -32,23 +32,13 @@ def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
                                                              attn_implementation="eager").eval()
 
 
-def _engine_greedy(engine, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:  # type: ignore[no-untyped-def]
-    batch = engine.prefill(prompt, steps)
-    logits, tokens = [batch.logits[0].copy()], []
-    for _ in range(steps):
-        tokens.append(int(logits[-1].argmax()))
-        logits.append(engine.decode(batch, np.array([tokens[-1]]))[0].copy())
-    engine.session.release(batch.state)
-    return tokens, np.stack(logits[:-1])
-
-
-@pytest.mark.parametrize("family", AMD_FAMILIES)
+@pytest.mark.parametrize("family", AMD_COMPILED_FAMILIES)
 def test_greedy_tokens_match_transformers(amd_builds, family: str) -> None:
     """32 greedy steps of the compiled package give transformers' tokens, logits within the amd fp32 tolerance."""
     folder = amd_builds[family]
     engine = kvexport.load(folder)
     prompt = [int(t) for t in np.random.default_rng(5).integers(3, 259, 9)]
-    tokens, logits = _engine_greedy(engine, prompt, STEPS)
+    tokens, logits = engine_greedy(engine, prompt, STEPS)
     hf = _hf(amd_builds.checkpoint(family))
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
@@ -79,8 +69,8 @@ def test_target_fields_and_package_holds_no_pickles(amd_builds) -> None:
 
 
 def test_decoder_rebuilt_from_ir_equals_checkpoint(amd_builds) -> None:
-    """The weights the package was compiled from are exactly the checkpoint's, for every family."""
-    for family in AMD_FAMILIES:
+    """The weights the package was compiled from are exactly the checkpoint's, for every compiled family."""
+    for family in AMD_COMPILED_FAMILIES:
         folder, m = open_artifact(amd_builds[family])
         a = decoder_from_ir(folder, m).state_dict()
         b = lowering.decoder_from_checkpoint(amd_builds.checkpoint(family), m).state_dict()
@@ -108,18 +98,18 @@ def test_cache_is_written_in_place(amd_builds) -> None:
 def test_batch_rows_do_not_affect_each_other(amd_builds) -> None:
     engine = kvexport.load(amd_builds["qwen2"])
     prompts = [[40, 41, 42, 43, 44, 45, 46], [70, 71, 72]]
-    alone = [_engine_greedy(engine, p, 8)[0] for p in prompts]
+    alone = [engine_greedy(engine, p, 8)[0] for p in prompts]
     assert batch_greedy(engine, prompts, 8) == alone
 
 
 def test_distinct_states_on_threads(amd_builds) -> None:
     engine = kvexport.load(amd_builds["llama"])
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(3)]
-    expected = [_engine_greedy(engine, p, 6)[0] for p in prompts]
+    expected = [engine_greedy(engine, p, 6)[0] for p in prompts]
     got: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
-        got[i] = _engine_greedy(engine, prompts[i], 6)[0]
+        got[i] = engine_greedy(engine, prompts[i], 6)[0]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
