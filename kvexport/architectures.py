@@ -12,7 +12,8 @@ from typing import Any
 
 from kvexport.config import Activation, DecoderConfig, RopeConfig
 from kvexport.errors import UnsupportedArchitectureError, UnsupportedFeatureError
-from kvexport.weightmap import DEINTERLEAVE_HEADS, GATE_UP, QKV, TRANSPOSE, Source, WeightMap, layer_map, proj, tensor
+from kvexport.weightmap import (DEINTERLEAVE_HEADS, EXPERT_DOWN, EXPERT_GATE_UP, GATE_UP, QKV, TRANSPOSE, Source,
+                                WeightMap, layer_map, proj, tensor)
 
 ACTIVATIONS: dict[str, Activation] = {
     "silu": "silu",
@@ -191,6 +192,33 @@ def _map_starcoder2(r: ConfigReader) -> DecoderConfig:
                        sliding_window=r.get("sliding_window"))
 
 
+def _experts(r: ConfigReader, count: int, width: int) -> dict[str, Any]:
+    """The DecoderConfig fields of `count` routed experts of `width` each (0 experts: a dense model)."""
+    k = int(r.get("num_experts_per_tok", 2))
+    if count and not 0 < k <= count:
+        r.unsupported("num_experts_per_tok", k, f"1 to num_experts ({count})")
+    return dict(num_experts=int(count), num_experts_per_tok=k if count else 0, moe_intermediate_size=int(width))
+
+
+def _map_mixtral(r: ConfigReader) -> DecoderConfig:
+    # softmax over every expert, then the top k renormalised: the softmax of the top-k logits
+    return _llama_like(r, sliding_window=r.get("sliding_window"),
+                       **_experts(r, r.require("num_local_experts"), r.require("intermediate_size")))
+
+
+def _map_qwen3_moe(r: ConfigReader) -> DecoderConfig:
+    _full_attention_only(r)
+    layers = int(r.require("num_hidden_layers"))
+    count = r.get("num_experts", r.get("num_local_experts", 0))  # transformers 5 writes num_local_experts
+    step, only = int(r.get("decoder_sparse_step", 1)), set(r.get("mlp_only_layers", []))
+    if step < 1:
+        r.unsupported("decoder_sparse_step", step, "1 or more")
+        step = 1
+    return _llama_like(r, qk_norm="head", norm_topk_prob=bool(r.get("norm_topk_prob", False)),
+                       dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step),
+                       **_experts(r, count, r.get("moe_intermediate_size", 0) if count else 0))
+
+
 def _map_gpt_neox(r: ConfigReader) -> DecoderConfig:
     heads = r.require("num_attention_heads") or 1
     kv = r.get("num_key_value_heads", heads)
@@ -305,6 +333,22 @@ STARCODER2_WEIGHTS = WeightMap(LLAMA_GLOBALS, "model.layers.{i}.", layer_map({
     "mlp.down_proj": proj("mlp.c_proj"),
 }), ignore_suffixes=("rotary_emb.inv_freq",))
 
+# routed experts: router (E, h) and each expert's gate/up/down stacked; `{e}` is the expert's index
+MIXTRAL_WEIGHTS = WeightMap(LLAMA_GLOBALS, "model.layers.{i}.", {
+    **{k: v for k, v in LLAMA_LAYER.items() if not k.startswith("mlp.")},
+    "mlp.router.weight": tensor("block_sparse_moe.gate.weight"),
+    "mlp.gate_up": Source(("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+                          EXPERT_GATE_UP),
+    "mlp.down": tensor("block_sparse_moe.experts.{e}.w2.weight", EXPERT_DOWN),
+}, ignore_suffixes=("rotary_emb.inv_freq",))
+
+QWEN3_MOE_WEIGHTS = WeightMap(LLAMA_GLOBALS, "model.layers.{i}.", {
+    **QWEN3_WEIGHTS.layer,  # dense layers (mlp_only_layers, decoder_sparse_step) keep Qwen3's MLP
+    "mlp.router.weight": tensor("mlp.gate.weight"),
+    "mlp.gate_up": Source(("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), EXPERT_GATE_UP),
+    "mlp.down": tensor("mlp.experts.{e}.down_proj.weight", EXPERT_DOWN),
+}, ignore_suffixes=("rotary_emb.inv_freq",))
+
 GPT_NEOX_WEIGHTS = WeightMap(
     globals=model_globals("gpt_neox.embed_in", "gpt_neox.final_layer_norm", "embed_out"),
     layer_prefix="gpt_neox.layers.{i}.",
@@ -342,6 +386,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                  "per-head interleaved query_key_value, partial rotary, parallel residual, LayerNorm with bias"),
         ArchSpec("phi3", _map_phi3, PHI3_WEIGHTS, "fused qkv_proj and gate_up_proj, LongRoPE (short/long factors)"),
         ArchSpec("starcoder2", _map_starcoder2, STARCODER2_WEIGHTS, "LayerNorm with bias, GELU MLP, sliding window"),
+        ArchSpec("mixtral", _map_mixtral, MIXTRAL_WEIGHTS, "Mistral + top-k routed experts (softmax of the top-k logits)"),
+        ArchSpec("qwen3_moe", _map_qwen3_moe, QWEN3_MOE_WEIGHTS,
+                 "Qwen3 + top-k routed experts (norm_topk_prob), dense mlp_only_layers / decoder_sparse_step"),
     )
 }
 
@@ -379,7 +426,7 @@ def config_problems(raw: Mapping[str, Any]) -> tuple[DecoderConfig | None, list[
         r.problems.append(f"`rope_parameters`: longrope has {len(cfg.rope.short_factor)} short/long factors but the "
                           f"rotary dimension {cfg.effective_rotary_dim} has {cfg.effective_rotary_dim // 2} "
                           "frequencies (supported: one factor per frequency)")
-    r.problems += _unmodelled_features(raw)
+    r.problems += _unmodelled_features(raw, modelled=("num_local_experts", "num_experts") if cfg.num_experts else ())
     return cfg, r.problems
 
 
@@ -392,9 +439,11 @@ _UNMODELLED: dict[str, str] = {
 }
 
 
-def _unmodelled_features(raw: Mapping[str, Any]) -> list[str]:
-    """Features any family's config may carry that the decoder does not compute: named, not ignored."""
-    found = [f"`{k}` = {raw[k]!r}: {what} is not supported" for k, what in _UNMODELLED.items() if raw.get(k)]
+def _unmodelled_features(raw: Mapping[str, Any], modelled: tuple[str, ...] = ()) -> list[str]:
+    """Features any family's config may carry that the decoder does not compute (less the `modelled` keys of
+    this family): named, not ignored."""
+    found = [f"`{k}` = {raw[k]!r}: {what} is not supported" for k, what in _UNMODELLED.items()
+             if raw.get(k) and k not in modelled]
     kinds = sorted(set(raw.get("layer_types") or ()))
     if len(kinds) > 1:
         found.append(f"`layer_types` mixes {', '.join(kinds)}: layers with different attention kinds are not "

@@ -133,7 +133,7 @@ def load_checkpoint(model_dir: str | Path, max_seq: int | None = None, dtype: to
         used: set[str] = set()
         missing: list[str] = []
         for canonical, param in decoder.named_parameters():  # tied lm_head appears once, as embed_tokens
-            source = wm.source(canonical)
+            source = wm.source(canonical, cfg)
             resolved = [_resolve(index, wm, s) for s in source.names]
             if any(r is None for r in resolved):
                 missing += [s for s, r in zip(source.names, resolved) if r is None]

@@ -63,6 +63,12 @@ class DecoderConfig:
     residual_scale: float | None = None  # each block's branch times this before the residual add (Granite)
     logit_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
     attention_scale: float | None = None  # None: 1/sqrt(head_dim)
+    # mixture of experts (Mixtral, Qwen3-MoE); 0 experts: every layer has the dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top k
+    moe_intermediate_size: int = 0  # each expert's width (intermediate_size stays the dense layers')
+    norm_topk_prob: bool = True  # the top-k probabilities renormalised to sum to 1 (Mixtral always)
+    dense_layers: tuple[int, ...] = ()  # layers with the dense MLP in a MoE model (Qwen3-MoE's mlp_only_layers)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -78,6 +84,9 @@ class DecoderConfig:
     @property
     def effective_rotary_dim(self) -> int:
         return self.rotary_dim or self.head_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and index not in self.dense_layers
 
     @property
     def scale(self) -> float:
@@ -96,13 +105,16 @@ class DecoderConfig:
             rope[k] = tuple(rope.get(k, ()))
         d["rope"] = RopeConfig(**rope)
         d["eos_token_id"] = tuple(d.get("eos_token_id", ()))
+        d["dense_layers"] = tuple(d.get("dense_layers", ()))
         return cls(**d)
 
     def num_parameters(self) -> int:
         h, i = self.hidden_size, self.intermediate_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         mlp = (3 if self.mlp_kind == "gated" else 2) * h * i
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts and router
+        mlps = sum(moe if self.is_moe_layer(n) else mlp for n in range(self.num_hidden_layers))
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         if self.position_kind == "learned":
             emb += self.max_position_embeddings * h
-        return self.num_hidden_layers * (attn + mlp) + emb
+        return self.num_hidden_layers * attn + mlps + emb

@@ -303,6 +303,37 @@ class Mlp(nn.Module):
         return self.down_proj(h)
 
 
+class MoeMlp(nn.Module):
+    """Top-k routed gated experts (Mixtral, Qwen3-MoE): softmax over the router's logits, the top k kept
+    (renormalised to sum to 1 where `norm_topk_prob`), every other expert's weight exactly 0.
+
+    Dense form: every expert runs on every token (one batched MatMul per projection) and the outputs are
+    summed under a (tokens, experts) routing matrix scattered from TopK. Exact and plain ONNX (Softmax, TopK,
+    ScatterElements, MatMul), but it reads every expert's weights and spends E/k times the expert FLOPs of a
+    gathered form.
+    """
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        E, I, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = nn.Linear(h, E, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(E, h, 2 * I))  # per expert x @ gate_up[e] -> [gate, up]
+        self.down = nn.Parameter(torch.empty(E, I, h))
+        self.act = ACTIVATION_FNS[cfg.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        probs = self.router(x).float().softmax(dim=-1)  # (B, S, E)
+        top, chosen = probs.topk(self.top_k, dim=-1)  # (B, S, k)
+        if self.renormalise:
+            top = top / top.sum(dim=-1, keepdim=True)
+        # (B, S, E): 0 outside the top k. probs * 0, not zeros_like, which exports as an Expand of a constant
+        route = (probs * 0).scatter(-1, chosen, top).to(x.dtype)
+        gate, up = torch.matmul(x.unsqueeze(1), self.gate_up).chunk(2, dim=-1)  # (B, E, S, I) each
+        y = torch.matmul(self.act(gate) * up, self.down)  # (B, E, S, h)
+        return (y * route.transpose(1, 2).unsqueeze(-1)).sum(dim=1)  # (B, S, h)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -340,7 +371,7 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm: x + f(norm(x)); post-norm (OLMo 2): x + norm(f(x)); parallel (GPT-NeoX): x + attn + mlp."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, index: int = 0):
         super().__init__()
         pre = cfg.norm_position == "pre"
         self.parallel, self.residual_scale = cfg.parallel_residual, cfg.residual_scale
@@ -348,7 +379,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.post_attn_norm = nn.Identity() if pre else block_norm(cfg)
         self.mlp_norm = block_norm(cfg) if pre else nn.Identity()
-        self.mlp = Mlp(cfg)
+        self.mlp = MoeMlp(cfg) if cfg.is_moe_layer(index) else Mlp(cfg)
         self.post_mlp_norm = nn.Identity() if pre else block_norm(cfg)
 
     def forward(self, x: Tensor, step: Step, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -390,7 +421,7 @@ class Decoder(nn.Module):
             cos, sin = rope_tables(cfg, max_seq)
             self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq, rot/2)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = block_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

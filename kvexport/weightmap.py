@@ -86,7 +86,34 @@ class DeinterleaveHeads(Transform):
         return [t.reshape(3, H, D, *t.shape[1:]).transpose(0, 1).reshape(t.shape)]
 
 
+@dataclass(frozen=True)
+class Experts(Transform):
+    """One nn.Linear weight (rows, in) per expert, or several concatenated along rows (w1, w3 -> [gate; up]),
+    stacked into the canonical (E, in, rows): MatMul's right-hand operand for every expert at once.
+
+    The source names hold `{e}`, expanded expert by expert (e0's names, e1's, ...): see `expand_experts`."""
+
+    per_expert: int = 1  # checkpoint tensors per expert, concatenated along their rows
+
+    def load(self, parts: list[Tensor], cfg: DecoderConfig) -> Tensor:
+        n = self.per_expert
+        return torch.stack([torch.cat(parts[e * n:(e + 1) * n], dim=0).t() for e in range(len(parts) // n)])
+
+    def save(self, t: Tensor, cfg: DecoderConfig) -> list[Tensor]:
+        return [part for w in t for part in w.t().chunk(self.per_expert, dim=0)]
+
+
+def expand_experts(names: tuple[str, ...], cfg: DecoderConfig | None) -> tuple[str, ...]:
+    """Names holding `{e}` -> one copy per expert, expert-major; names without it are returned as they are."""
+    if not any("{e}" in n for n in names):
+        return names
+    if cfg is None:
+        raise ValueError(f"{names[0]} names one tensor per expert: pass the config, whose num_experts says how many")
+    return tuple(n.replace("{e}", str(e)) for e in range(cfg.num_experts) for n in names)
+
+
 SAME, TRANSPOSE, DEINTERLEAVE_HEADS = Same(), Transpose(), DeinterleaveHeads()
+EXPERT_GATE_UP, EXPERT_DOWN = Experts(per_expert=2), Experts(per_expert=1)
 QKV = Concat(lambda c: (c.q_size, c.kv_size, c.kv_size))
 GATE_UP = Concat(lambda c: (c.intermediate_size, c.intermediate_size))
 
@@ -122,10 +149,13 @@ class WeightMap:
     prefixes: tuple[str, ...] = ("",)  # checkpoint may or may not carry the base-model prefix
     ignore_suffixes: tuple[str, ...] = ()  # non-parameter buffers some checkpoints carry
 
-    def source(self, canonical: str) -> Source:
-        """The checkpoint tensors (full names, without an optional prefix) behind one canonical tensor."""
+    def source(self, canonical: str, cfg: DecoderConfig | None = None) -> Source:
+        """The checkpoint tensors (full names, without an optional prefix) behind one canonical tensor.
+
+        `cfg` is needed only for per-expert entries (names with `{e}`)."""
         if canonical.startswith("layers."):
             _, i, rest = canonical.split(".", 2)
             src = self.layer[rest]
-            return Source(tuple(self.layer_prefix.format(i=i) + s for s in src.names), src.transform)
+            names = tuple(self.layer_prefix.format(i=i) + s for s in src.names)
+            return Source(expand_experts(names, cfg), src.transform)
         return self.globals[canonical]

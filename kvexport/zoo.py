@@ -69,6 +69,14 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                    "max_position_embeddings": 256, "norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh",
                    "use_bias": True, "sliding_window": 24, "tie_word_embeddings": True, "bos_token_id": 1,
                    "eos_token_id": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "mixtral": {**_LLAMA_TINY, "model_type": "mixtral", "intermediate_size": 64, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    # layer 0 dense (mlp_only_layers), layer 1 routed without renormalising its top-k probabilities
+    "qwen3_moe": {**_LLAMA_TINY, "model_type": "qwen3_moe", "head_dim": 32, "use_sliding_window": False,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [0],
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
 }
 
 BENCH_125M: dict[str, Any] = {
@@ -201,7 +209,7 @@ def random_decoder(cfg: DecoderConfig, seed: int) -> Decoder:
 def _hf_parts(cfg: DecoderConfig, canonical: str, p: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The checkpoint tensors (HF name, value) that one canonical parameter is written as."""
     wm = get_arch(cfg.model_type).weights
-    source = wm.source(canonical)  # written through its transform's inverse
+    source = wm.source(canonical, cfg)  # written through its transform's inverse
     return [(wm.prefixes[0] + hf, part) for hf, part in zip(source.names, source.transform.save(p, cfg), strict=True)]
 
 

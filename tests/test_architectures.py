@@ -97,6 +97,8 @@ def test_unknown_model_type_names_supported_families() -> None:
         ("qwen3", "layer_types", ["full_attention", "sliding_attention"]),
         ("llama", "final_logit_softcapping", 30.0),
         ("starcoder2", "num_experts", 8),
+        ("mixtral", "num_experts_per_tok", 5),  # more than its 4 experts
+        ("qwen3_moe", "decoder_sparse_step", 0),
         ("gpt_neox", "num_key_value_heads", 2),
         ("phi3", "rope_parameters", {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}),
         ("llama", "rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
