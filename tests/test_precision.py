@@ -66,6 +66,11 @@ def test_bad_modes_are_refused_with_what_the_target_builds(options: BuildOptions
         resolve(Toy(), options, set())
 
 
+def test_int4_on_a_target_that_lacks_it_is_refused() -> None:
+    with pytest.raises(InputError, match="builds weight precisions fp32, bf16 .*not int4"):
+        resolve(Toy(weights=("fp32", "bf16")), BuildOptions(weights="int4", group_size=32), set())
+
+
 def test_defaults_aliases_and_the_default_group_size() -> None:
     o = BuildOptions(precision="float32")
     r = resolve(Toy(), o, set())

@@ -9,8 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from kvexport.backends import BuildOptions, Capabilities, Progress
+from kvexport.backends import AutoMode, BuildOptions, Capabilities, Progress
 from kvexport.backends import Backend as _Backend
+from kvexport.backends.cpu_quant import BITS as CPU_BITS
+from kvexport.backends.cpu_quant import DEFAULT_GROUP_SIZE as CPU_DEFAULT_GROUP_SIZE
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import ArtifactError, InputError
 from kvexport.manifest import Manifest
@@ -64,8 +66,9 @@ class CpuBackend(_Backend):
             description="ONNX Runtime CPU execution provider (embedded default: no GPU, no vendor SDK)",
             ir_cache_style="static",
             cache_policy="grow",
-            precisions=("fp32",),
+            precisions=("fp32", *CPU_BITS),  # int8/int4: MatMulNBits (kvexport.backends.cpu_quant)
             default_precision="fp32",
+            default_group_size=dict(CPU_DEFAULT_GROUP_SIZE),
             kv_modes=("fp32", "int8"),
             devices=("cpu",),
             sdk=("onnxruntime",),
@@ -93,9 +96,11 @@ class CpuBackend(_Backend):
         from kvexport.backends.cpu_kv import build_int8_cache
 
         self.require_available()
-        precision = options.precision or "fp32"
-        if precision != "fp32":
-            raise InputError(f"the cpu target supports precision fp32 only, not {precision!r}")
+        precision = options.weights or options.precision or "fp32"
+        if precision not in self.capabilities().precisions:
+            raise InputError(f"the cpu target builds weights {', '.join(self.capabilities().precisions)}, "
+                             f"not {precision!r}")
+        group_size = options.group_size or CPU_DEFAULT_GROUP_SIZE.get(precision)
         kv_mode = options.kv or "fp32"
         if kv_mode not in self.capabilities().kv_modes:
             raise InputError(f"the cpu target keeps its KV cache in {' or '.join(self.capabilities().kv_modes)}, "
@@ -120,6 +125,12 @@ class CpuBackend(_Backend):
             staged.unlink(missing_ok=True)
         progress(f"optimized in {time.perf_counter() - t0:.1f}s ({fused['fused_attention_layers']} attention "
                  f"layers fused, {fused['fused_skip_norms']} residual adds folded into their RMS norms)")
+        quant = None
+        if precision in CPU_BITS:
+            from kvexport.backends.cpu_quant import quantize_engine
+
+            assert group_size is not None
+            quant = quantize_engine(engine / OPT_MODEL, OPT_DATA, precision, group_size, read_cpu_flags(), progress)
         manifest.raw["target"] = {
             "backend": "cpu",
             "precision": precision,
@@ -129,6 +140,25 @@ class CpuBackend(_Backend):
         }
         if kv is not None:  # the int8 record with its scales; core records an fp32 cache itself
             manifest.raw["target"]["kv"] = kv
+        if quant is not None:
+            manifest.raw["target"]["weights"] = {
+                "dtype": precision, "group_size": group_size,
+                "bytes": self.weight_bytes(folder, manifest, precision, group_size), **quant}
+
+    def auto_modes(self, flags: set[str]) -> list[AutoMode]:
+        """Fewest weight bytes first: decode at batch 1 reads every weight once per token, and MatMulNBits
+        at accuracy_level 4 ran an int4 matmul 4-5x, an int8 one 3-4x, as fast as fp32 even on AVX2
+        (docs/backends/cpu.md). The cache stays fp32 unless asked: int8 KV helps only long contexts
+        and slows prefill on this ONNX Runtime."""
+        from kvexport.backends.cpu_quant import accuracy_level
+
+        level = accuracy_level(flags)[1]
+        g = CPU_DEFAULT_GROUP_SIZE["int4"]
+        modes = [AutoMode("int4", "fp32", f"int4 weights (MatMulNBits, group {g}, {level}): the fewest bytes a "
+                          "token", g),
+                 AutoMode("int8", "fp32", f"int8 weights (MatMulNBits, {level})"),
+                 AutoMode("fp32", "fp32", "fp32: exact")]
+        return modes + [AutoMode(m.weights, "int8", m.reason + "; the cache in int8", m.group_size) for m in modes]
 
     def weight_bytes(self, folder: Path, manifest: Manifest, weights: str, group_size: int | None) -> int:
         """Counted: every initializer of the optimized graph (packed int4/int8 blocks and their scales included)."""

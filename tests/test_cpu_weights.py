@@ -1,0 +1,145 @@
+"""cpu --weights int8|int4: MatMulNBits made by ONNX Runtime's quantizer, each mode verified against its row
+on the trained default model; an engine with perturbed scales fails its row; auto's pick is recorded."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import kvexport
+from kvexport.artifact import export_artifact, finish, open_artifact
+from kvexport.backends import BuildOptions
+from kvexport.backends.cpu import ENGINE_DIR, OPT_MODEL, CpuBackend, CpuSession
+from kvexport.backends.cpu_quant import INT8_DOT_FLAGS, accuracy_level
+from kvexport.doctor import read_cpu_flags
+from kvexport.precision import record, resolve
+from kvexport.runtime.engine import Engine
+from kvexport.tolerances import precision_key
+from kvexport.verify import HELDOUT_FILE, Reference, VerifyReport, verify_engine
+
+MAX_SEQ = 256  # text windows of 256 tokens, as the rows were measured
+MODES = {"int8": BuildOptions(weights="int8"), "int4-g32": BuildOptions(weights="auto"),  # auto: int4 g32 here
+         "int4-g64": BuildOptions(weights="int4", group_size=64),
+         "int4-g128": BuildOptions(weights="int4", group_size=128)}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvexport.zoo import write_default
+
+    return write_default(tmp_path_factory.mktemp("cpu-weights") / "default")
+
+
+@pytest.fixture(scope="module")
+def ir(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's static IR, exported once; each mode lowers a copy of it."""
+    return export_artifact(trained, tmp_path_factory.mktemp("cpu-weights-ir") / "ir.kvx", max_seq=MAX_SEQ)
+
+
+@pytest.fixture(scope="module")
+def reference(trained: Path) -> Reference:
+    return Reference(trained, MAX_SEQ)
+
+
+class _Builds(dict):
+    """mode -> artifact: core's steps of `kvexport build` (resolve, lower, record, hash) on a copy of the IR."""
+
+    def __init__(self, ir: Path):
+        super().__init__()
+        self.ir = ir
+        self.said: dict[str, list[str]] = {}
+
+    def __missing__(self, mode: str) -> Path:
+        folder = self.ir.parent / f"{mode}.kvx"
+        shutil.copytree(self.ir, folder)
+        _, manifest = open_artifact(folder)
+        backend, options, said = CpuBackend(), BuildOptions(**vars(MODES[mode])), []
+        resolved = resolve(backend, options, read_cpu_flags(), said.append)
+        backend.build(folder, manifest, options, said.append)
+        record(backend, folder, manifest, resolved)
+        finish(folder, manifest)
+        self[mode], self.said[mode] = folder, said
+        return folder
+
+
+@pytest.fixture(scope="module")
+def builds(ir: Path) -> _Builds:
+    return _Builds(ir)
+
+
+def _verify(engine: Engine, trained: Path, reference: Reference) -> VerifyReport:
+    return verify_engine(engine, trained, decode_steps=16, prompt_lengths=(7,), reference=reference)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_weight_mode_builds_and_verifies_against_its_row(mode: str, builds: _Builds, trained: Path,
+                                                              reference: Reference) -> None:
+    art = builds[mode]
+    t = open_artifact(art)[1].target
+    assert precision_key(t) == mode and t["kv"]["dtype"] == "fp32"
+    graph = onnx.load(str(art / ENGINE_DIR / OPT_MODEL), load_external_data=False)
+    ops = [n.op_type for n in graph.graph.node]
+    assert "MatMul" not in ops and ops.count("MatMulNBits") == 4 * 4 + 1  # 4 per layer and the lm_head
+    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.graph.node
+            if n.op_type == "MatMulNBits"}
+    head = [b for name, b in bits.items() if name.startswith("lm_head")]
+    assert head == [8] and set(bits.values()) == ({8} if mode == "int8" else {4, 8})  # lm_head 8-bit under int4
+    r = _verify(kvexport.load(str(art)), trained, reference)
+    print(mode, r.text, r.failures)
+    assert r.text["source"] == HELDOUT_FILE and r.mode == "teacher-forced"
+    assert r.passed, r.failures
+
+
+def test_weight_bytes_shrink_with_the_mode(builds: _Builds) -> None:
+    """Counted in the engine: int8 under a third of fp32's bytes, int4 (8-bit lm_head) under a fifth of it."""
+    w = {m: open_artifact(builds[m])[1].target["weights"] for m in ("int8", "int4-g32", "int4-g128")}
+    m = open_artifact(builds["int8"])[1]
+    fp32 = 4 * m.raw["model"]["num_parameters"]
+    # the embedding table stays fp32 (a Gather reads one row a token); the matmul weights shrink
+    emb = 4 * m.config.vocab_size * m.config.hidden_size
+    assert (w["int8"]["bytes"] - emb) < 0.3 * (fp32 - emb)
+    assert (w["int4-g32"]["bytes"] - emb) < 0.2 * (fp32 - emb)
+    assert w["int4-g128"]["bytes"] < w["int4-g32"]["bytes"]  # fewer scales
+    assert w["int4-g32"]["lm_head_bits"] == 8 and w["int4-g32"]["accuracy_level"] == accuracy_level(read_cpu_flags())[0]
+
+
+def test_auto_picks_int4_and_records_its_reason(builds: _Builds) -> None:
+    t = open_artifact(builds["int4-g32"])[1].target
+    assert t["auto"]["weights"] == "int4" and t["auto"]["group_size"] == 32 and t["auto"]["kv"] == "fp32"
+    assert "fewest bytes" in t["auto"]["reason"]
+    assert any(s.startswith("auto: --weights int4 --kv fp32 --group-size 32") for s in builds.said["int4-g32"])
+
+
+def test_decode_keeps_the_cache_in_place(builds: _Builds) -> None:
+    engine = kvexport.load(str(builds["int4-g32"]))
+    b = engine.prefill([72, 101, 108, 108, 111], 40)
+    for t in range(30):
+        engine.decode(b, np.array([65 + t % 20]))
+    assert engine.session.cache_bytes_copied(b.state) == 0
+
+
+def test_perturbed_int4_scales_fail_the_row(builds: _Builds, trained: Path, reference: Reference,
+                                            tmp_path: Path) -> None:
+    """One layer's MLP down-projection with its block scales 1.5x: a broken quantizer's kind of bug."""
+    art = builds["int4-g32"]
+    model = onnx.load(str(art / ENGINE_DIR / OPT_MODEL))
+    nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits" and "down_proj" in n.name]
+    scales = {t.name: t for t in model.graph.initializer}[nodes[1].input[2]]
+    scales.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scales) * 1.5, scales.name))
+    onnx.save_model(model, str(tmp_path / "broken.onnx"), save_as_external_data=True, location="broken.onnx.data")
+    good = kvexport.load(str(art))
+    broken = Engine(art, good.manifest, CpuSession(tmp_path / "broken.onnx", good.manifest, 2))
+    r = _verify(broken, trained, reference)
+    print(r.text, r.failures)
+    assert any(f.startswith(("text", "held-out")) for f in r.failures), r.failures
+
+
+def test_accuracy_level_follows_the_isa() -> None:
+    for flag in INT8_DOT_FLAGS:
+        assert accuracy_level({"avx2", flag})[0] == 4 and flag in accuracy_level({"avx2", flag})[1]
+    level, why = accuracy_level({"avx2", "fma"})  # int8 compute measured faster on AVX2 alone too
+    assert level == 4 and "AVX2 without VNNI" in why
