@@ -202,3 +202,12 @@ def test_checkpoint_copy_keeps_source_hashes(tmp_path: Path) -> None:
     e = tmp_path / "b"
     shutil.copytree(d, e)
     assert load_checkpoint(d).source_hashes == load_checkpoint(e).source_hashes
+
+
+def test_qwen3_moe_routed_layers_are_those_transformers_builds() -> None:
+    transformers = pytest.importorskip("transformers")
+    raw = {**TINY_CONFIGS["qwen3_moe"], "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [1]}
+    cfg = map_config(raw)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**raw))
+    routed = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert [i for i in range(4) if cfg.is_moe_layer(i)] == routed == [3]
