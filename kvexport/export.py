@@ -148,6 +148,11 @@ def export_onnx(
     # each weight goes from the decoder's tensor to model.onnx.data on its own (program.model_proto would
     # copy them all into one proto: a second model in memory, and past 2 GB a proto protobuf cannot write)
     onnx_ir.save(program.model, path, external_data=DATA_FILE, size_threshold_bytes=1024)
+    # the exporter's graphs outlive `program` (onnxscript 0.7's module-level rewrite rules keep the last one
+    # they matched): drop this one's hold on the weights; artifact.release_weights frees the rest
+    for value in program.model.graph.initializers.values():
+        value.const_value = None
+    program.model.graph.initializers.clear()
     del program
     model = onnx.load(str(path), load_external_data=False)
     finalize_graph(model, ck.config.model_type)
