@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from kvexport.architectures import get_arch, map_config
-from kvexport.bench import (Gemv, GemvFloor, check_comparable, format_report, fp32_gemvs, linear_shapes, nominal_gemvs,
-                            onnx_gemvs, parse_prompt_lens, run_bench)
+from kvexport.bench import (Gemv, GemvFloor, check_comparable, engine_gemvs, floor_label, format_report, fp32_gemvs,
+                            linear_shapes, nominal_gemvs, onnx_gemvs, parse_prompt_lens, run_bench)
 from kvexport.errors import InputError
 from kvexport.zoo import NAMED_MODELS, TINY_CONFIGS, write_checkpoint
 
@@ -149,3 +149,25 @@ def test_checkpoints_are_written_one_shard_at_a_time(tmp_path: Path, monkeypatch
     want = zoo.random_decoder(map_config(TINY_CONFIGS["llama"]), seed=3).state_dict()
     got = load_checkpoint(folder).decoder.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_int4_artifact_is_held_to_its_own_matmulnbits_floor(artifacts: dict[str, Path], checkpoints: dict[str, Path],
+                                                               tmp_path: Path) -> None:
+    import kvexport
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+
+    int4 = build(checkpoints["llama"], tmp_path / "int4.kvx", target="cpu", max_seq=128, verify=False,
+                 options=BuildOptions(weights="int4", group_size=32))
+    fp32 = kvexport.load(str(artifacts["llama"]), threads=1)
+    q = kvexport.load(str(int4), threads=1)
+    gemvs = engine_gemvs(q)
+    assert {(g.bits, g.block_size) for g in gemvs if g.bits is not None} >= {(4, 32)}  # read from its graph
+    r = run_bench(fp32, reference=None, prompt_lens=(8,), new_tokens=6, threads=1, others=[("int4", q)],
+                  baselines=False, rounds=1)
+    row = r["prompts"]["8"]
+    o = row["other:int4"]
+    assert o["mode"] == "int4-g32" and o["floor"] == floor_label(gemvs) and o["floor"].startswith("int4-g32")
+    assert set(row["floors"]) == {"fp32", o["floor"]}
+    assert row["floors"][o["floor"]]["weight_bytes"] < row["floors"]["fp32"]["weight_bytes"] / 3
+    assert o["fraction_of_own_floor"] == pytest.approx(o["decode_tok_s"] / row["floors"][o["floor"]]["tok_s"])
