@@ -2,6 +2,7 @@
 on the trained default model; an engine with perturbed scales fails its row; auto's pick is recorded."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -143,3 +144,20 @@ def test_accuracy_level_follows_the_isa() -> None:
         assert accuracy_level({"avx2", flag})[0] == 4 and flag in accuracy_level({"avx2", flag})[1]
     level, why = accuracy_level({"avx2", "fma"})  # int8 compute measured faster on AVX2 alone too
     assert level == 4 and "AVX2 without VNNI" in why
+
+
+def test_another_onnxruntime_refuses_a_quantized_engine_instead_of_running_the_fp32_ir(
+        builds: _Builds, tmp_path: Path) -> None:
+    """The fallback for an engine graph made by another ONNX Runtime loads the portable IR, which holds
+    fp32 weights: for an int8 artifact that is not the engine the manifest describes, so load refuses."""
+    from kvexport.errors import ArtifactError
+    from kvexport.manifest import MANIFEST_FILE
+
+    folder = tmp_path / "other-ort.kvx"
+    shutil.copytree(builds["int8"], folder)
+    manifest_file = folder / MANIFEST_FILE
+    raw = json.loads(manifest_file.read_text())
+    raw["target"]["fingerprint"]["onnxruntime"] = "0.0.1"
+    manifest_file.write_text(json.dumps(raw))
+    with pytest.raises(ArtifactError, match="weights int8 .*onnxruntime 0.0.1.*Rebuild"):
+        kvexport.load(str(folder))

@@ -183,6 +183,16 @@ class CpuBackend(_Backend):
             if no_rebuild:
                 raise ArtifactError(f"{folder} was optimized by onnxruntime {built_with}, this is "
                                     f"{fingerprint()['onnxruntime']}; drop --no-rebuild to load the IR instead")
+            lossy = {k: (target.get(k) or {}).get("dtype", "fp32") for k in ("weights", "kv")}
+            lossy = {k: v for k, v in lossy.items() if v != "fp32"}
+            if lossy:
+                # the IR holds fp32 weights and an fp32 cache: running it would not be the engine the
+                # manifest describes (nor the tolerance row verify would judge it by)
+                raise ArtifactError(
+                    f"{folder} keeps {', '.join(f'{k} {v}' for k, v in lossy.items())} in the engine graph made by "
+                    f"onnxruntime {built_with}; this is onnxruntime {fingerprint()['onnxruntime']}, and the portable "
+                    "IR holds fp32 only. Rebuild the artifact here (kvexport build ... --target cpu) or install "
+                    f"onnxruntime=={built_with}")
             model = folder / manifest.raw["ir"]["file"]
             warning = f"optimized graph made by onnxruntime {built_with}; loaded the portable IR instead"
         threads = threads or target.get("options", {}).get("threads") or default_threads()
