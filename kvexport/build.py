@@ -12,7 +12,7 @@ from kvexport.artifact import VERIFY_FILE, export_artifact, finish, open_artifac
 from kvexport.backends import BuildOptions
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import BackendUnavailableError, InputError, NumericsMismatchError
-from kvexport.precision import ALIASES, record, resolve
+from kvexport.precision import ALIASES, Resolved, record, resolve
 
 Progress = Callable[[str], None]
 PRECISION_ALIASES = ALIASES
@@ -42,6 +42,7 @@ def build(
         raise BackendUnavailableError(f"target {target!r} cannot build here: " + "; ".join(reasons) + "." + hint)
     if verify:
         _require_verify_reference()
+        _require_tolerance_row(target, resolved)
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="kvexport-default-") as tmp:
         if model_dir is None:
@@ -89,6 +90,23 @@ def _with_calibration_text(options: BuildOptions, model_dir: Path) -> BuildOptio
     if options.calibration_text is not None or not held.is_file():
         return options
     return dataclasses.replace(options, calibration_text=held.read_text(encoding="utf-8"))
+
+
+def _require_tolerance_row(target: str, resolved: Resolved) -> None:
+    """An asked-for combination nobody measured has no row to verify against: say so before the export,
+    not as a KeyError after minutes of compiling. (A mode left to the backend's device default is checked
+    by verify itself.)"""
+    from kvexport.tolerances import TOLERANCES, mode_key
+
+    if resolved.weights is None:
+        return
+    key = mode_key(resolved.weights, resolved.group_size, resolved.kv)
+    if (target, key) not in TOLERANCES:
+        rows = ", ".join(sorted(k for t, k in TOLERANCES if t == target))
+        raise InputError(
+            f"target {target!r} has no tolerance row for {key} (weights {resolved.weights}, kv {resolved.kv}), so "
+            f"its build could not be verified: this combination was never measured. Rows for {target}: {rows}. "
+            "Pick one of those, or pass --no-verify to build it unverified")
 
 
 def _require_verify_reference() -> None:
