@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,13 @@ class Manifest:
 
     @property
     def config(self) -> DecoderConfig:
-        return DecoderConfig.from_dict(self.raw["model"]["config"])
+        d = self.raw["model"]["config"]
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(DecoderConfig)})
+        if unknown:
+            raise ManifestError(
+                f"this artifact's model config has fields this kvexport does not know ({', '.join(unknown)}): it was "
+                "written by another kvexport version. Rebuild it from its checkpoint with `kvexport build`")
+        return DecoderConfig.from_dict(d)
 
     @property
     def cache(self) -> dict[str, Any]:

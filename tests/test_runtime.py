@@ -244,6 +244,11 @@ def test_newer_schema_and_broken_manifest(artifacts: dict[str, Path], tmp_path: 
     (a / "manifest.json").write_text("{not json")
     with pytest.raises(ManifestError, match="not valid JSON"):
         kvexport.load(a)
+    m["cache"] = json.loads((artifacts["llama"] / "manifest.json").read_text())["cache"]
+    m["model"]["config"]["norm_offset"] = 0.0  # a field an older kvexport wrote and this one dropped
+    (a / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match=r"fields this kvexport does not know \(norm_offset\).*kvexport build"):
+        kvexport.load(a)
 
 
 def test_loading_imports_no_python_from_the_artifact(artifacts: dict[str, Path], tmp_path: Path) -> None:
