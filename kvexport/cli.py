@@ -388,17 +388,19 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     if a.json:
         print(m.to_json())
         return 0
-    cfg, cache, target = m.config, m.cache, m.target
     from kvexport.precision import kv_of
 
+    cfg, cache, target = m.config, m.cache, m.target
     kv_mode, per_slot = kv_of(m)
     print(f"{folder}: {m.raw['model']['family']} '{m.raw['model']['name']}', {m.raw['model']['num_parameters'] / 1e6:.1f}M parameters")
     print(f"  dims: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads {cfg.num_attention_heads} "
           f"(kv {cfg.num_key_value_heads}), head_dim {cfg.head_dim}, mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}")
     print(f"  IR: {m.raw['ir']['file']} opset {m.raw['ir']['opset']}, {cache['style']} cache {cache['layout']} "
           f"{cache['dtype']}, max_seq {cache['max_seq']}, last-token logits {m.raw['ir']['last_token_only']}")
-    print(f"  KV cache: {kv_mode}, {per_slot} bytes per token per row (scales included); "
-          f"{per_slot * cache['max_seq'] / 2**20:.1f} MiB per row at max_seq")
+    fixed = int(((target or {}).get("kv") or {}).get("scale_bytes") or 0)  # per-channel scales: once, not per token
+    print(f"  KV cache: {kv_mode}, {per_slot} bytes per token per row"
+          + (f" (+ {fixed} bytes of per-channel scales, once per engine)" if fixed else "")
+          + f"; {per_slot * cache['max_seq'] / 2**20:.1f} MiB per row at max_seq")
     print("  inputs:")
     for io in m.inputs:
         print(f"    {io['name']:32s} {io['dtype']:8s} {io['shape']}")
@@ -407,13 +409,13 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         print(f"    {io['name']:32s} {io['dtype']:8s} {io['shape']}")
     if target:
         print(f"  target: {target['backend']} {target['precision']}, engine files {', '.join(target['engine_files'])}")
-        print(f"  fingerprint: {json.dumps(target['fingerprint'])}")
         w = target.get("weights")
         if w:
             block = f", group size {w['group_size']}" if w.get("group_size") else ""
             print(f"  weights: {w['dtype']}{block}, {w['bytes']} bytes ({w['bytes'] / 2**20:.1f} MiB, scales included)")
         if target.get("auto"):
             print(f"  auto picked: {target['auto']['reason']}")
+        print(f"  fingerprint: {json.dumps(target['fingerprint'])}")
     else:
         print("  target: none (IR only; `kvexport build` makes an engine)")
     v = m.raw.get("verification")

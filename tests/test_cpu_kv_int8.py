@@ -2,6 +2,8 @@
 in place, a quarter of the fp32 bytes, and the engine still verifies against its tolerance row."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kvexport
+from kvexport.artifact import open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.backends.cpu import ENGINE_DIR, OPT_MODEL
 from kvexport.backends.cpu_kv import K_SCALE_INPUT, V_SCALE_INPUT, channel_scales
@@ -189,3 +192,12 @@ def test_int4_weights_with_an_int8_cache_verify_against_their_row(workdir: Path)
     print(r.text)
     assert r.precision == "int4-g32+kv-int8" and r.mode == "teacher-forced" and r.text["source"] == HELDOUT_FILE
     assert r.passed, r.failures
+
+
+def test_inspect_counts_the_scales_once_per_engine_not_per_token(int8_artifact: Path) -> None:
+    kv = open_artifact(int8_artifact)[1].target["kv"]
+    out = subprocess.run([sys.executable, "-m", "kvexport", "inspect", str(int8_artifact), "--no-hash-check"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert kv["scale_bytes"] > 0
+    assert (f"KV cache: int8, {kv['bytes_per_token']} bytes per token per row "
+            f"(+ {kv['scale_bytes']} bytes of per-channel scales, once per engine)") in out
