@@ -36,6 +36,7 @@ PARSER_OPS = frozenset({
     "Gather", "Gelu", "Identity", "LayerNormalization", "MatMul", "Mul", "Neg", "Pow", "RMSNormalization",
     "Reshape", "RotaryEmbedding", "Shape", "Sigmoid", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub",
     "Tanh", "TensorScatter", "Transpose", "Unsqueeze", "Where", "Relu", "ReduceMean", "Tile", "Range",
+    "TopK", "ScatterElements", "ReduceSum",  # mixture-of-experts routing (TopK: K must be an initializer)
 })
 
 
