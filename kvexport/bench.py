@@ -64,8 +64,12 @@ def linear_shapes(cfg: DecoderConfig) -> list[tuple[int, int]]:
     (q|k|v packed, gate|up packed), then the lm_head. The embedding tables are gathered, not read."""
     h = cfg.hidden_size
     mlp_in = (2 if cfg.mlp_kind == "gated" else 1) * cfg.intermediate_size
-    layer = [(h, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, h), (h, mlp_in), (cfg.intermediate_size, h)]
-    return layer * cfg.num_hidden_layers + [(h, cfg.vocab_size)]
+    attn = [(h, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, h)]
+    mlp = [(h, mlp_in), (cfg.intermediate_size, h)]
+    # a routed layer: the router, then every expert's gate|up and down (the dense form reads them all)
+    moe = [(h, cfg.num_experts)] + [(h, 2 * cfg.moe_intermediate_size), (cfg.moe_intermediate_size, h)] * cfg.num_experts
+    layers = [s for i in range(cfg.num_hidden_layers) for s in attn + (moe if cfg.is_moe_layer(i) else mlp)]
+    return layers + [(h, cfg.vocab_size)]
 
 
 @dataclass(frozen=True)
