@@ -106,7 +106,7 @@ def _no_export(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the CPU-only refusals")
 @pytest.mark.parametrize(("options", "error", "match"), [
-    (BuildOptions(precision="int4"), InputError, "fp16, bf16 or fp32"),
+    (BuildOptions(precision="fp8"), InputError, "fp16, bf16 or fp32"),
     (BuildOptions(extra={"device": "gpu"}), BackendUnavailableError, "ROCm"),
     (BuildOptions(extra={"nope": 1}), InputError, "unknown amd option"),
     (BuildOptions(max_batch=0), InputError, "max_batch"),
