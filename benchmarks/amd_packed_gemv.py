@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timing import seconds_per_call  # benchmarks/timing.py, beside this script
 
 SHAPES = [(8192, 2048), (2048, 8192)]  # (N, K): bench-1b's gate/up and down projections
-
-
-def _seconds(fn: Callable[[], object], n: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
 
 
 def kernels(n: int, k: int) -> dict[str, Callable[[], object]]:
@@ -52,7 +44,7 @@ def main() -> None:
     for _ in range(args.rounds):  # systems interleaved in rounds
         for name in names:
             reps = 3 if "fp32 activations" in name else 20  # that path is a slow loop
-            rounds[name].append(sum(_seconds(ks[name], reps) for ks in per_shape))
+            rounds[name].append(sum(seconds_per_call(ks[name], reps) for ks in per_shape))
     base = rounds[names[0]]
     for name in names:
         ratio = statistics.median(b / t for b, t in zip(base, rounds[name]))

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,19 +18,12 @@ import torch
 
 from kvexport.architectures import map_config
 from kvexport.decoder import MoeMlp
+from timing import seconds_per_call  # benchmarks/timing.py, beside this script
 
 HF_CONFIG = {"model_type": "mixtral", "hidden_size": 2048, "intermediate_size": 1024, "num_local_experts": 8,
              "num_experts_per_tok": 2, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
              "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu",
              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
-
-
-def _seconds(fn: Callable[[], object], n: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
 
 
 def main() -> None:
@@ -77,7 +68,7 @@ def main() -> None:
         ratios: dict[str, list[float]] = {k: [] for k in runs}
         with torch.no_grad():
             for r in range(a.rounds):
-                t = {k: _seconds(fn, a.iters) for k, fn in runs.items()}
+                t = {k: seconds_per_call(fn, a.iters) for k, fn in runs.items()}
                 base = t["transformers eager (top-2 experts)"]
                 for k in runs:
                     ratios[k].append(t[k] / base)
