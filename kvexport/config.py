@@ -85,6 +85,11 @@ class DecoderConfig:
     def effective_rotary_dim(self) -> int:
         return self.rotary_dim or self.head_dim
 
+    def window_of(self, index: int) -> int | None:
+        """Layer `index`'s sliding attention window (a key at most window - 1 positions behind the query
+        is seen), or None where it attends to the whole past."""
+        return self.sliding_window
+
     def is_moe_layer(self, index: int) -> bool:
         return self.num_experts > 0 and index not in self.dense_layers
 

@@ -115,14 +115,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, num_he
 
 # --- how a layer writes its cache and attends: one strategy, handed to every layer -----------------
 class Step(NamedTuple):
-    """What every layer of one forward call shares."""
+    """What the layers of one forward call share. `Decoder.decode` hands a sliding-window layer a copy
+    whose mask is banded to its window (`KVStep.window_mask`) and whose `window` says which."""
 
     position_ids: Tensor  # (B, S) absolute positions
     write_index: Tensor | None  # (B,) first cache slot written (static styles); None for concat
-    mask: Tensor  # (B, 1, S, cache_len) static, (B, 1, S, P+S) concat; True = attend
+    mask: Tensor  # (B, 1, S, cache_len) static, (B, 1, S, P+S) concat; True (additive: 0) = attend
     cos: Tensor | None  # (max_seq, rot/2) rope tables; None for learned positions
     sin: Tensor | None
     kv: KVStep
+    window: int | None = None  # this layer's sliding window, already in `mask`; None: the whole past
 
 
 class KVStep:
@@ -142,6 +144,26 @@ class KVStep:
                cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H_q, S, D), new k/v (B, H_kv, S, D) -> y (B, H_q, S, D) and the layer's present k, v."""
         raise NotImplementedError
+
+    def window_mask(self, step: Step, window: int) -> Tensor:
+        """step.mask narrowed to what a layer with a `window`-token sliding window sees."""
+        return window_band(step.mask, step.write_index, step.position_ids.shape[1], window)
+
+
+def window_band(mask: Tensor, write_index: Tensor | None, seq: int, window: int) -> Tensor:
+    """`mask` (B, 1, S, L) and keys at cache slot j < window slots behind the query's slot.
+
+    A new token's slot is write_index[b] + s (static) or P + s with P = L - S past rows (concat), and every
+    real token's slot is its row's offset plus its position, so the slot difference is the position
+    difference. Plain ops (Range, Sub, Less, And), so each backend runs the band in its own graph and the
+    runtime's mask carries causality and padding only."""
+    L = mask.shape[-1]
+    s = torch.arange(seq, device=mask.device)
+    q = s[None, :] + (write_index[:, None] if write_index is not None else L - seq)  # (B or 1, S) query slots
+    band = (q[:, None, :, None] - torch.arange(L, device=mask.device)) < window  # (B or 1, 1, S, L)
+    if mask.dtype == torch.bool:
+        return mask & band
+    return torch.where(band, mask, -1e30)  # an additive float mask: -1e30, finite in f32 and bf16
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: DecoderConfig) -> Tensor:
@@ -422,6 +444,7 @@ class Decoder(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq, rot/2)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.windows = tuple(cfg.window_of(i) for i in range(cfg.num_hidden_layers))
         self.norm = block_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -455,9 +478,13 @@ class Decoder(nn.Module):
     def decode(self, input_ids: Tensor, step: Step, past: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """(logits, *presents) for input_ids (B, S) given one step's shared inputs and the past caches."""
         x = self.embed(input_ids, step.position_ids)
+        # one banded mask per distinct window, made once in the graph and shared by its layers
+        banded = {w: step._replace(mask=step.kv.window_mask(step, w), window=w)
+                  for w in sorted({w for w in self.windows if w is not None})}
         presents: list[Tensor] = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, step, past[2 * i], past[2 * i + 1])
+            w = self.windows[i]
+            x, k, v = layer(x, step if w is None else banded[w], past[2 * i], past[2 * i + 1])
             presents += [k, v]
         return (self.head(x), *presents)
 

@@ -41,18 +41,15 @@ class IRRunner:
         return out[0], out[1:]
 
 
-def causal_mask(S: int, past: int, slots: int, window: int | None) -> np.ndarray:
+def causal_mask(S: int, past: int, slots: int) -> np.ndarray:
+    """Causal only: a sliding-window layer's band is the graph's own."""
     q = past + np.arange(S)[:, None]
     k = np.arange(slots)[None, :]
-    m = (k <= q)
-    if window:
-        m &= (q - k) < window
-    return m[None, None]
+    return (k <= q)[None, None]
 
 
 def greedy(r: IRRunner, prompt: list[int], steps: int, slots: int) -> tuple[list[int], np.ndarray]:
     """Prefill the prompt, then decode `steps` tokens greedily; returns all ids and (steps, vocab) logits."""
-    w = r.cfg.sliding_window
     caches = r.empty(1, slots if r.style == "static" else 0)
     seq, out = list(prompt), []
     a, b = 0, len(prompt)
@@ -60,9 +57,9 @@ def greedy(r: IRRunner, prompt: list[int], steps: int, slots: int) -> tuple[list
         S = b - a
         ids, pos = np.array([seq[a:b]]), np.arange(a, b)[None]
         if r.style == "static":
-            logits, caches = r.run(ids, pos, causal_mask(S, a, slots, w), caches, np.array([a]))
+            logits, caches = r.run(ids, pos, causal_mask(S, a, slots), caches, np.array([a]))
         else:
-            logits, caches = r.run(ids, pos, causal_mask(S, a, b, w), caches)
+            logits, caches = r.run(ids, pos, causal_mask(S, a, b), caches)
         out.append(logits[0, -1])
         seq.append(int(out[-1].argmax()))
         a, b = b, b + 1
@@ -86,11 +83,10 @@ def test_prefill_n_then_decode_equals_prefill_n_plus_1_across_the_cache(family: 
     slots = 64
     ids = random_ids(slots, seed=11)
     for n in (1, 2, 5, 13, 24, 25, 40, 62):
-        w = r.cfg.sliding_window
         caches = r.empty(1, slots)
-        _, caches = r.run(np.array([ids[:n]]), np.arange(n)[None], causal_mask(n, 0, slots, w), caches, np.array([0]))
-        stepped, _ = r.run(np.array([[ids[n]]]), np.array([[n]]), causal_mask(1, n, slots, w), caches, np.array([n]))
-        whole, _ = r.run(np.array([ids[: n + 1]]), np.arange(n + 1)[None], causal_mask(n + 1, 0, slots, w),
+        _, caches = r.run(np.array([ids[:n]]), np.arange(n)[None], causal_mask(n, 0, slots), caches, np.array([0]))
+        stepped, _ = r.run(np.array([[ids[n]]]), np.array([[n]]), causal_mask(1, n, slots), caches, np.array([n]))
+        whole, _ = r.run(np.array([ids[: n + 1]]), np.arange(n + 1)[None], causal_mask(n + 1, 0, slots),
                          r.empty(1, slots), np.array([0]))
         assert np.abs(stepped[0, -1] - whole[0, -1]).max() < 1e-5, n
 
@@ -106,14 +102,14 @@ def test_batch_rows_of_different_lengths_match_each_row_alone(family: str, artif
     ids = np.array([[0] * p + x for p, x in zip(pad, rows)])
     pos = np.maximum(np.arange(S)[None] - pad[:, None], 0)
     valid = np.arange(slots)[None] >= pad[:, None]  # (B, slots)
-    mask = causal_mask(S, 0, slots, r.cfg.sliding_window).repeat(3, 0) & valid[:, None, None, :]
+    mask = causal_mask(S, 0, slots).repeat(3, 0) & valid[:, None, None, :]
     for b in range(3):
         mask[b, 0, np.arange(pad[b]), np.arange(pad[b])] = True
     logits, caches = r.run(ids, pos, mask, r.empty(3, slots), np.zeros(3))
     batched = [logits[:, -1]]
     for t in range(S, S + steps - 1):
         tok = batched[-1].argmax(-1)[:, None]
-        m = causal_mask(1, t, slots, r.cfg.sliding_window).repeat(3, 0) & valid[:, None, None, :]
+        m = causal_mask(1, t, slots).repeat(3, 0) & valid[:, None, None, :]
         logits, caches = r.run(tok, (t - pad)[:, None], m, caches, np.full(3, t))
         batched.append(logits[:, -1])
     for b, row in enumerate(rows):
@@ -126,11 +122,11 @@ def test_a_written_cache_slot_never_changes(artifacts: dict[str, Path]) -> None:
     slots = 32
     caches = r.empty(2, slots)
     ids = np.array([random_ids(5, 1), random_ids(5, 2)])
-    _, caches = r.run(ids, np.arange(5)[None].repeat(2, 0), causal_mask(5, 0, slots, None).repeat(2, 0),
+    _, caches = r.run(ids, np.arange(5)[None].repeat(2, 0), causal_mask(5, 0, slots).repeat(2, 0),
                       caches, np.zeros(2))
     for t in range(5, 20):
         before = [c[:, :, :t].copy() for c in caches]
-        _, caches = r.run(np.array([[7], [9]]), np.array([[t], [t]]), causal_mask(1, t, slots, None).repeat(2, 0),
+        _, caches = r.run(np.array([[7], [9]]), np.array([[t], [t]]), causal_mask(1, t, slots).repeat(2, 0),
                           caches, np.array([t, t]))
         for old, new in zip(before, caches):
             assert np.array_equal(old, new[:, :, :t])  # bitwise: earlier slots untouched
@@ -167,7 +163,9 @@ def test_graph_keeps_kv_heads_grouped_and_writes_with_tensor_scatter(family: str
             assert producers[kv].op_type == "TensorScatter"  # K/V straight from the cache: no repeat to q heads
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert (attrs["q_num_heads"], attrs["kv_num_heads"]) == (cfg.num_attention_heads, cfg.num_key_value_heads)
-        assert shapes[n.input[3]].dim[3].dim_param == "cache_len"  # the explicit bool mask
+        # the explicit bool mask; a sliding-window layer's is And(mask, its band)
+        mask = n.input[3] if n.input[3] in shapes else producers[n.input[3]].input[0]
+        assert shapes[mask].dim[3].dim_param == "cache_len"
     if cfg.position_kind == "rope":
         assert ops.count("RotaryEmbedding") == 2 * cfg.num_hidden_layers
     if cfg.norm_kind == "rms":  # two block norms per layer and the final one, plus q and k norms where the family has them

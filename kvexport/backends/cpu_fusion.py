@@ -3,10 +3,13 @@ GroupQueryAttention (com.microsoft), writing the shared past/present buffer in p
 residual Add + RMSNormalization -> SkipSimplifiedLayerNormalization.
 
 The IR stays standard ONNX; only the cpu engine graph (engine/model.opt.onnx) carries the contrib
-op. Semantics are kept exactly: the IR's bool mask becomes GQA's additive attention_bias (pad
-slots, sliding window and causality all come from it), write_index becomes seqlens_k.
+op. Semantics are kept exactly: each layer's bool mask (the IR's input, or a sliding-window layer's
+band of it) becomes GQA's additive attention_bias (pad slots, window and causality all come from
+it), write_index becomes seqlens_k.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import onnx
 from onnx import TensorProto, helper
@@ -72,8 +75,8 @@ def fuse_group_query_attention(model: onnx.ModelProto) -> int:
         plans.append((a, tk, tv, q3, k3, v3, merge[0]))
     if not plans:
         return 0
-    mask, write_index = plans[0][0].input[3], plans[0][1].input[2]
-    # shared once for every layer: seqlens_k = write_index + S - 1, total = max + 1, additive bias
+    write_index = plans[0][1].input[2]
+    # shared once for every layer: seqlens_k = write_index + S - 1, total = max + 1
     pre = [
         helper.make_node("Shape", ["input_ids"], ["kvx_gqa/seq"], start=1, end=2),
         helper.make_node("Cast", ["kvx_gqa/seq"], ["kvx_gqa/seq32"], to=TensorProto.INT32),
@@ -83,9 +86,6 @@ def fuse_group_query_attention(model: onnx.ModelProto) -> int:
         helper.make_node("ReduceMax", ["kvx_gqa/held"], ["kvx_gqa/total"], keepdims=0),
         helper.make_node("Reshape", ["kvx_gqa/total", "kvx_gqa/shape1"], ["kvx_gqa/total1"]),
         helper.make_node("Cast", ["kvx_gqa/total1"], ["kvx_gqa/total64"], to=TensorProto.INT64),
-        helper.make_node("Where", [mask, "kvx_gqa/zero", "kvx_gqa/masked"], ["kvx_gqa/bias_full"]),
-        helper.make_node("Slice", ["kvx_gqa/bias_full", "kvx_gqa/start", "kvx_gqa/total64", "kvx_gqa/axis3"],
-                         ["kvx_gqa/bias"]),
     ]
     g.initializer.extend([
         helper.make_tensor("kvx_gqa/one", TensorProto.INT32, [], [1]),
@@ -95,25 +95,36 @@ def fuse_group_query_attention(model: onnx.ModelProto) -> int:
         helper.make_tensor("kvx_gqa/start", TensorProto.INT64, [1], [0]),
         helper.make_tensor("kvx_gqa/axis3", TensorProto.INT64, [1], [3]),
     ])
-    replace: dict[int, onnx.NodeProto] = {}
+    replace: dict[int, list[onnx.NodeProto]] = {}
     dead: set[int] = set()
+    biases: dict[str, str] = {}  # bool mask -> its additive bias, made once, before the first layer reading it
     for a, tk, tv, q3, k3, v3, merge in plans:
         scope = a.name.rsplit("/", 1)[0]
         packed = _packed_qkv(prod, cons, q3, k3, v3)
         qkv = [q3, k3, v3] if packed is None else [packed, "", ""]
+        made = [] if a.input[3] in biases else _additive_bias(a.input[3], biases)
         gqa = helper.make_node(
             "GroupQueryAttention",
-            [*qkv, tk.input[0], tv.input[0], "kvx_gqa/seqlens_k", "kvx_gqa/total", "", "", "", "kvx_gqa/bias"],
+            [*qkv, tk.input[0], tv.input[0], "kvx_gqa/seqlens_k", "kvx_gqa/total", "", "", "", biases[a.input[3]]],
             [merge.output[0], tk.output[0], tv.output[0]],
             name=f"{scope}/GroupQueryAttention_0", domain="com.microsoft",
             num_heads=int(_attr(a, "q_num_heads")), kv_num_heads=int(_attr(a, "kv_num_heads")),
             scale=float(_attr(a, "scale")),
         )
-        replace[id(merge)] = gqa
+        replace[id(merge)] = [*made, gqa]
         dead.update({id(a), id(tk), id(tv)})
     _splice(model, replace, dead, prepend=pre)
     _drop_dead(g)
     return len(plans)
+
+
+def _additive_bias(mask: str, biases: dict[str, str]) -> list[onnx.NodeProto]:
+    """Where(mask, 0, MASKED) cut to the `total` slots GQA reads: the nodes, and biases[mask] := its name."""
+    n = len(biases)
+    full, bias = f"kvx_gqa/bias_full_{n}", f"kvx_gqa/bias_{n}"
+    biases[mask] = bias
+    return [helper.make_node("Where", [mask, "kvx_gqa/zero", "kvx_gqa/masked"], [full]),
+            helper.make_node("Slice", [full, "kvx_gqa/start", "kvx_gqa/total64", "kvx_gqa/axis3"], [bias])]
 
 
 def _packed_qkv(prod: dict[str, onnx.NodeProto], cons: dict[str, list[onnx.NodeProto]], q: str, k: str,
@@ -164,11 +175,16 @@ def fuse_skip_rms_norm(model: onnx.ModelProto) -> int:
     return len(replace)
 
 
-def _splice(model: onnx.ModelProto, replace: dict[int, onnx.NodeProto], dead: set[int],
+def _splice(model: onnx.ModelProto, replace: Mapping[int, onnx.NodeProto | list[onnx.NodeProto]], dead: set[int],
             prepend: list[onnx.NodeProto] | None = None) -> None:
-    """Put each replacement where its original stood, drop the dead nodes, declare the contrib domain."""
+    """Put each replacement (a node or several) where its original stood, drop the dead nodes, declare the
+    contrib domain."""
     g = model.graph
-    nodes = [replace.get(id(n), n) for n in g.node if id(n) not in dead]
+    nodes: list[onnx.NodeProto] = []
+    for n in g.node:
+        if id(n) not in dead:
+            r = replace.get(id(n), n)
+            nodes += r if isinstance(r, list) else [r]
     del g.node[:]
     g.node.extend([*(prepend or []), *nodes])
     if not any(o.domain == "com.microsoft" for o in model.opset_import):

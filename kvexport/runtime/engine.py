@@ -46,7 +46,6 @@ class Batch:
     valid: np.ndarray  # (B, max_slots) bool: slot holds a real token of that row
     slots: int = 0  # T: slots held by every row
     logits: np.ndarray | None = None  # (B, V) after the last step: the caller's own array unless copy=False
-    sliding_window: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -139,13 +138,11 @@ class Engine:
         pos = np.maximum(i[None, :] - pad[:, None], 0)  # (B, S)
         valid = np.zeros((B, S + max_new_tokens), dtype=bool)
         valid[:, :S] = i[None, :] >= pad[:, None]
-        mask = (i[None, None, :] <= i[None, :, None]) & valid[:, None, :S]  # (B, S, S) causal, no pad keys
-        window = self.config.sliding_window
-        if window:
-            mask &= (i[None, :, None] - i[None, None, :]) < window
+        # (B, S, S) causal, no pad keys; a sliding-window layer's band is the graph's own (Decoder.decode)
+        mask = (i[None, None, :] <= i[None, :, None]) & valid[:, None, :S]
         mask[:, i, i] |= ~valid[:, :S]  # a pad query sees itself only: keeps its row finite
         state = self.session.new_state(B, S + max(max_new_tokens, 1))
-        batch = Batch(rows, state, pad, valid, 0, None, window)
+        batch = Batch(rows, state, pad, valid, 0, None)
         logits = self.session.step(state, ids, pos, mask[:, None])
         batch.logits = logits.copy() if copy else logits
         batch.slots = S
@@ -165,8 +162,6 @@ class Engine:
             batch.valid = grown
         batch.valid[:, T] = True
         mask = batch.valid[:, None, None, : T + 1].copy()  # (B, 1, 1, T+1)
-        if batch.sliding_window and T + 1 > batch.sliding_window:
-            mask[..., : T + 1 - batch.sliding_window] = False
         ids = np.asarray(tokens, dtype=np.int64).reshape(batch.batch_size, 1)
         pos = (T - batch.pad).reshape(-1, 1)
         logits = self.session.step(batch.state, ids, pos, mask)

@@ -64,13 +64,10 @@ class Rows(ABC):
                                        f"max_seq={self.max_seq}")
 
     def _causal(self, start: int, n: int, width: int) -> np.ndarray:
-        """(n, width) bool: token start+i sees slots 0..start+i (within the sliding window)."""
+        """(n, width) bool: token start+i sees slots 0..start+i (a sliding-window layer's graph bands it)."""
         q = np.arange(start, start + n)[:, None]
         k = np.arange(width)[None, :]
-        m = k <= q
-        if self.window:
-            m &= (q - k) < self.window
-        return m
+        return k <= q
 
 
 def rows_for(session: Session, rows: int, sliding_window: int | None = None) -> Rows:
@@ -178,8 +175,6 @@ class BoundRows(Rows):
         self._ensure(int(write.max()) + 1)
         k = np.arange(self.capacity)[None, :]
         mask = k <= write[:, None]
-        if self.window:
-            mask &= (write[:, None] - k) < self.window
         idle = np.ones(hi, dtype=bool)
         idle[rows] = False
         mask[idle] = k[0] == write[idle, None]

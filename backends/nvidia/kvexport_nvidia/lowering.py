@@ -37,6 +37,7 @@ PARSER_OPS = frozenset({
     "Reshape", "RotaryEmbedding", "Shape", "Sigmoid", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub",
     "Tanh", "TensorScatter", "Transpose", "Unsqueeze", "Where", "Relu", "ReduceMean", "Tile", "Range",
     "TopK", "ScatterElements", "ReduceSum",  # mixture-of-experts routing (TopK: K must be an initializer)
+    "Less", "And",  # a sliding-window layer's band of the mask
 })
 
 
