@@ -10,10 +10,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvexport.config import Activation, DecoderConfig, RopeConfig
 from kvexport.errors import UnsupportedArchitectureError, UnsupportedFeatureError
-from kvexport.weightmap import (DEINTERLEAVE_HEADS, EXPERT_DOWN, EXPERT_GATE_UP, GATE_UP, QKV, TRANSPOSE, Source,
-                                WeightMap, layer_map, proj, tensor)
+from kvexport.weightmap import (DEINTERLEAVE_HEADS, EXPERT_DOWN, EXPERT_GATE_UP, GATE_UP, QKV, TRANSPOSE, Offset,
+                                Source, WeightMap, layer_map, proj, tensor)
 
 ACTIVATIONS: dict[str, Activation] = {
     "silu": "silu",
@@ -67,11 +69,12 @@ class ConfigReader:
     def partial_rotary_factor(self) -> float:
         return float(self.rope_parameters().get("partial_rotary_factor", self.get("partial_rotary_factor", 1.0)))
 
-    def rope(self) -> RopeConfig:
-        params = self.rope_parameters()
+    def rope(self, params: Mapping[str, Any] | None = None, where: str = "rope_parameters") -> RopeConfig:
+        """The RoPE of `params` (default: the config's one `rope_parameters`); `where` names them in problems."""
+        params = self.rope_parameters() if params is None else params
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
-            self.unsupported("rope_parameters.rope_type", rope_type, ", ".join(ROPE_TYPES))
+            self.unsupported(f"{where}.rope_type", rope_type, ", ".join(ROPE_TYPES))
             rope_type = "default"
         original = int(params.get("original_max_position_embeddings", self.get("original_max_position_embeddings", 8192)))
         extra: dict[str, Any] = {}
@@ -99,6 +102,15 @@ class ConfigReader:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         return dict(short_factor=tuple(map(float, short)), long_factor=tuple(map(float, long)),
                     attention_factor=float(attention))
+
+    def optional(self, key: str, default: float | None) -> float | None:
+        """A number transformers reads as `config.key`: its class default where the key is absent, None
+        where it is null (a feature turned off), else positive."""
+        v = self.raw[key] if key in self.raw else default
+        if v is not None and not v > 0:
+            self.unsupported(key, v, "a positive number or null")
+            return None
+        return None if v is None else float(v)
 
     def eos(self) -> tuple[int, ...]:
         e = self.get("eos_token_id")
@@ -229,6 +241,63 @@ def _map_gpt_neox(r: ConfigReader) -> DecoderConfig:
                        qkv_bias=bias, o_bias=bias, mlp_bias=True, mlp_kind="plain",
                        activation=r.activation("hidden_act", "gelu"),
                        parallel_residual=bool(r.get("use_parallel_residual", True)))
+
+
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def _layer_types(r: ConfigReader, pattern: int) -> tuple[str, ...]:
+    """`layer_types`, or transformers' default where a Gemma config has none: every `pattern`-th layer
+    global, the others sliding."""
+    layers = int(r.require("num_hidden_layers"))
+    types = tuple(r.get("layer_types") or
+                  ("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)))
+    if len(types) != layers or not set(types) <= set(LAYER_KINDS):
+        r.unsupported("layer_types", list(types), f"{layers} entries (one per layer), each one of {', '.join(LAYER_KINDS)}")
+        return ()
+    return types
+
+
+def _gemma(r: ConfigReader, pattern: int, **overrides: Any) -> DecoderConfig:
+    """What Gemma 2 and Gemma 3 share: (1 + w) RMSNorms before and after both sublayers (the weight map's
+    offset), embeddings times sqrt(hidden_size), a gelu-tanh gated MLP, query_pre_attn_scalar, and sliding
+    layers alternating with global ones. Defaults are transformers' where config.json omits a key."""
+    if r.get("use_bidirectional_attention", False):
+        r.unsupported("use_bidirectional_attention", True, "false (causal attention)")
+    bias = bool(r.get("attention_bias", False))
+    return _llama_like(
+        r, head_dim=int(r.get("head_dim", 256)), norm_position="sandwich", qkv_bias=bias, o_bias=bias,
+        activation=r.activation("hidden_activation", "gelu_pytorch_tanh"),
+        tie_word_embeddings=bool(r.get("tie_word_embeddings", True)),
+        embedding_scale=float(np.float32(r.require("hidden_size") ** 0.5)),  # transformers keeps it as float32
+        attention_scale=float(r.get("query_pre_attn_scalar", 256)) ** -0.5,
+        sliding_window=int(r.get("sliding_window", 4096)), layer_types=_layer_types(r, pattern), **overrides)
+
+
+def _map_gemma2(r: ConfigReader) -> DecoderConfig:
+    return _gemma(r, 2, attn_logit_softcap=r.optional("attn_logit_softcapping", 50.0),
+                  final_logit_softcap=r.optional("final_logit_softcapping", 30.0))
+
+
+def _gemma3_ropes(r: ConfigReader) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's global and local RoPE. transformers 5 keys `rope_parameters` by layer type; 4.x wrote
+    rope_theta (and rope_scaling) for the global layers and rope_local_base_freq for the sliding ones."""
+    params = dict(r.get("rope_parameters") or {})
+    if not set(params) <= set(LAYER_KINDS):
+        r.unsupported("rope_parameters", sorted(params), f"one entry per layer type ({', '.join(LAYER_KINDS)})")
+        params = {}
+    full = {**(params.get("full_attention") or {}), **(r.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", r.get("rope_theta", 1_000_000.0))
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    local.setdefault("rope_theta", r.get("rope_local_base_freq", 10_000.0))
+    return r.rope(full, "rope_parameters.full_attention"), r.rope(local, "rope_parameters.sliding_attention")
+
+
+def _map_gemma3_text(r: ConfigReader) -> DecoderConfig:
+    full, local = _gemma3_ropes(r)
+    return _gemma(r, int(r.get("sliding_window_pattern", 6)), qk_norm="head", rope=full, rope_local=local,
+                  attn_logit_softcap=r.optional("attn_logit_softcapping", None),
+                  final_logit_softcap=r.optional("final_logit_softcapping", None))
 
 
 def _map_gpt2(r: ConfigReader) -> DecoderConfig:
@@ -364,12 +433,43 @@ GPT_NEOX_WEIGHTS = WeightMap(
 )
 
 
+# Gemma's RMSNorm computes x * (1 + w): the canonical norm weight is the stored one plus 1
+PLUS_ONE = Offset(1.0)
+
+
+def _plus_one(name: str) -> dict[str, Source]:
+    return {"weight": tensor(f"{name}.weight", PLUS_ONE)}
+
+
+GEMMA2_WEIGHTS = WeightMap(
+    {"embed_tokens.weight": tensor("model.embed_tokens.weight"), "norm.weight": tensor("model.norm.weight", PLUS_ONE),
+     "lm_head.weight": tensor("lm_head.weight")},
+    "model.layers.{i}.",
+    {
+        **{k: v for k, v in LLAMA_LAYER.items() if not k.startswith(("attn_norm.", "mlp_norm."))},
+        **layer_map({
+            "attn_norm": _plus_one("input_layernorm"),
+            "post_attn_norm": _plus_one("post_attention_layernorm"),
+            "mlp_norm": _plus_one("pre_feedforward_layernorm"),
+            "post_mlp_norm": _plus_one("post_feedforward_layernorm"),
+        }),
+    },
+    ignore_suffixes=("rotary_emb.inv_freq",),
+)
+
+GEMMA3_WEIGHTS = WeightMap(GEMMA2_WEIGHTS.globals, "model.layers.{i}.", {
+    **GEMMA2_WEIGHTS.layer,
+    **layer_map({"attn.q_norm": _plus_one("self_attn.q_norm"), "attn.k_norm": _plus_one("self_attn.k_norm")}),
+}, ignore_suffixes=("rotary_emb.inv_freq",))
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     model_type: str
     map_config: Callable[[ConfigReader], DecoderConfig]
     weights: WeightMap
     notes: str = ""
+    modelled: tuple[str, ...] = ()  # config keys of features elsewhere refused (_UNMODELLED) that this family computes
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -389,6 +489,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("mixtral", _map_mixtral, MIXTRAL_WEIGHTS, "Mistral + top-k routed experts (softmax of the top-k logits)"),
         ArchSpec("qwen3_moe", _map_qwen3_moe, QWEN3_MOE_WEIGHTS,
                  "Qwen3 + top-k routed experts (norm_topk_prob), dense mlp_only_layers / decoder_sparse_step"),
+        ArchSpec("gemma2", _map_gemma2, GEMMA2_WEIGHTS,
+                 "(1 + w) RMSNorms before and after attention and MLP, scaled embeddings, gelu-tanh, attention and "
+                 "final logit softcapping, sliding layers alternating with global ones",
+                 modelled=("attn_logit_softcapping", "final_logit_softcapping", "layer_types")),
+        ArchSpec("gemma3_text", _map_gemma3_text, GEMMA3_WEIGHTS,
+                 "Gemma 2 + (1 + w) per-head q/k norms, the sliding layers' own RoPE base (5 sliding : 1 global), "
+                 "no softcapping by default",
+                 modelled=("attn_logit_softcapping", "final_logit_softcapping", "layer_types", "rope_parameters")),
     )
 }
 
@@ -426,7 +534,8 @@ def config_problems(raw: Mapping[str, Any]) -> tuple[DecoderConfig | None, list[
         r.problems.append(f"`rope_parameters`: longrope has {len(cfg.rope.short_factor)} short/long factors but the "
                           f"rotary dimension {cfg.effective_rotary_dim} has {cfg.effective_rotary_dim // 2} "
                           "frequencies (supported: one factor per frequency)")
-    r.problems += _unmodelled_features(raw, modelled=("num_local_experts", "num_experts") if cfg.num_experts else ())
+    experts = ("num_local_experts", "num_experts") if cfg.num_experts else ()
+    r.problems += _unmodelled_features(raw, modelled=ARCHITECTURES[model_type].modelled + experts)
     return cfg, r.problems
 
 
@@ -445,11 +554,12 @@ def _unmodelled_features(raw: Mapping[str, Any], modelled: tuple[str, ...] = ())
     found = [f"`{k}` = {raw[k]!r}: {what} is not supported" for k, what in _UNMODELLED.items()
              if raw.get(k) and k not in modelled]
     kinds = sorted(set(raw.get("layer_types") or ()))
-    if len(kinds) > 1:
+    if len(kinds) > 1 and "layer_types" not in modelled:
         found.append(f"`layer_types` mixes {', '.join(kinds)}: layers with different attention kinds are not "
                      "supported (every layer must use the same kind)")
     params = raw.get("rope_parameters") or {}
-    if isinstance(params, Mapping) and params and all(isinstance(v, Mapping) for v in params.values()):
+    if (isinstance(params, Mapping) and params and all(isinstance(v, Mapping) for v in params.values())
+            and "rope_parameters" not in modelled):
         found.append(f"`rope_parameters` per layer kind ({', '.join(sorted(params))}): one RoPE for every "
                      "layer is supported")
     return found

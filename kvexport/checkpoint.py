@@ -183,7 +183,5 @@ def load_checkpoint(model_dir: str | Path, max_seq: int | None = None, dtype: to
 
 
 def _rebuild_buffers(decoder: Decoder, cfg: DecoderConfig, max_seq: int) -> None:
-    from kvexport.decoder import rope_tables
-
     if cfg.position_kind == "rope":
-        decoder.rope_cos, decoder.rope_sin = rope_tables(cfg, max_seq)
+        decoder.set_rope_tables(max_seq)

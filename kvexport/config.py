@@ -11,7 +11,8 @@ PositionKind = Literal["rope", "learned"]
 MlpKind = Literal["gated", "plain"]
 Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
 RopeType = Literal["default", "linear", "llama3", "longrope"]
-NormPosition = Literal["pre", "post"]  # pre: x + f(norm(x)) (Llama); post: x + norm(f(x)) (OLMo 2)
+# pre: x + f(norm(x)) (Llama); post: x + norm(f(x)) (OLMo 2); sandwich: x + norm(f(norm(x))) (Gemma 2 and 3)
+NormPosition = Literal["pre", "post", "sandwich"]
 QKNorm = Literal["none", "head", "projection"]  # RMSNorm of q and k: per head (Qwen3) or whole projection (OLMo 2)
 
 
@@ -50,6 +51,7 @@ class DecoderConfig:
     qk_norm: QKNorm = "none"
     position_kind: PositionKind = "rope"
     rope: RopeConfig = field(default_factory=RopeConfig)
+    rope_local: RopeConfig | None = None  # the sliding layers' own RoPE (Gemma 3); None: `rope` in every layer
     rotary_dim: int = 0  # 0 means the whole head_dim
     qkv_bias: bool = False
     o_bias: bool = False
@@ -59,10 +61,15 @@ class DecoderConfig:
     tie_word_embeddings: bool = False
     parallel_residual: bool = False
     sliding_window: int | None = None
+    # per layer, transformers' names ("full_attention" / "sliding_attention"); empty: every layer alike
+    # (all sliding where sliding_window is set: Mistral, Starcoder2)
+    layer_types: tuple[str, ...] = ()
     embedding_scale: float | None = None  # embeddings times this (Granite's embedding_multiplier)
     residual_scale: float | None = None  # each block's branch times this before the residual add (Granite)
     logit_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
     attention_scale: float | None = None  # None: 1/sqrt(head_dim)
+    attn_logit_softcap: float | None = None  # attention scores -> c * tanh(scores / c) before the mask (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2)
     # mixture of experts (Mixtral, Qwen3-MoE); 0 experts: every layer has the dense MLP
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top k
@@ -88,7 +95,16 @@ class DecoderConfig:
     def window_of(self, index: int) -> int | None:
         """Layer `index`'s sliding attention window (a key at most window - 1 positions behind the query
         is seen), or None where it attends to the whole past."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[index] != "sliding_attention":
+            return None
         return self.sliding_window
+
+    def rope_of(self, index: int) -> RopeConfig:
+        """Layer `index`'s RoPE: `rope_local` in a sliding layer where the model has one, else `rope`."""
+        sliding = bool(self.layer_types) and self.layer_types[index] == "sliding_attention"
+        return self.rope_local if self.rope_local is not None and sliding else self.rope
 
     def is_moe_layer(self, index: int) -> bool:
         return self.num_experts > 0 and index not in self.dense_layers
@@ -105,12 +121,12 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DecoderConfig:
         d = dict(d)
-        rope = dict(d.get("rope", {}))
-        for k in ("short_factor", "long_factor"):
-            rope[k] = tuple(rope.get(k, ()))
-        d["rope"] = RopeConfig(**rope)
+        d["rope"] = _rope_from(d.get("rope", {}))
+        if d.get("rope_local") is not None:
+            d["rope_local"] = _rope_from(d["rope_local"])
         d["eos_token_id"] = tuple(d.get("eos_token_id", ()))
         d["dense_layers"] = tuple(d.get("dense_layers", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
 
     def num_parameters(self) -> int:
@@ -123,3 +139,10 @@ class DecoderConfig:
         if self.position_kind == "learned":
             emb += self.max_position_embeddings * h
         return self.num_hidden_layers * attn + mlps + emb
+
+
+def _rope_from(d: dict[str, Any]) -> RopeConfig:
+    rope = dict(d)
+    for k in ("short_factor", "long_factor"):
+        rope[k] = tuple(rope.get(k, ()))
+    return RopeConfig(**rope)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torch.onnx.ops as onnx_ops
 from torch import Tensor, nn
 
-from kvexport.config import DecoderConfig
+from kvexport.config import DecoderConfig, RopeConfig
 
 CacheStyle = Literal["static", "concat"]
 
@@ -60,13 +60,13 @@ def _tensor_scatter_fake(cache: Tensor, update: Tensor, write_index: Tensor) -> 
 
 
 # --- rotary ---------------------------------------------------------------------------------
-def rope_inv_freq(cfg: DecoderConfig, *, long: bool = False) -> Tensor:
-    """Inverse frequencies (rot/2,) in float64, with the config's scaling applied.
+def rope_inv_freq(cfg: DecoderConfig, *, long: bool = False, rope: RopeConfig | None = None) -> Tensor:
+    """Inverse frequencies (rot/2,) in float64 of `rope` (default: cfg.rope), with its scaling applied.
 
     longrope divides them by its short factors, or by its long ones where `long` (positions from
     original_max_position_embeddings on)."""
     rot = cfg.effective_rotary_dim
-    rope = cfg.rope
+    rope = rope or cfg.rope
     inv = 1.0 / (rope.theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     if rope.type == "linear":
         inv = inv / rope.factor
@@ -85,19 +85,20 @@ def rope_inv_freq(cfg: DecoderConfig, *, long: bool = False) -> Tensor:
     return inv
 
 
-def rope_tables(cfg: DecoderConfig, max_seq: int) -> tuple[Tensor, Tensor]:
-    """cos, sin tables (max_seq, rot/2), float32: the 2-D form RotaryEmbedding-23 takes.
+def rope_tables(cfg: DecoderConfig, max_seq: int, rope: RopeConfig | None = None) -> tuple[Tensor, Tensor]:
+    """cos, sin tables (max_seq, rot/2) of `rope` (default: cfg.rope), float32: the 2-D form RotaryEmbedding-23 takes.
 
     Each row is its position's angles. longrope's rows from original_max_position_embeddings on use
     the long factors, which is what transformers applies to a token at that position when it
     decodes with a cache (its uncached forward of a longer text switches every row)."""
+    rope = rope or cfg.rope
     pos = torch.arange(max_seq, dtype=torch.float64)[:, None]  # (max_seq, 1)
-    inv = rope_inv_freq(cfg)[None, :]  # (1, rot/2)
-    if cfg.rope.type == "longrope":
-        long = pos >= cfg.rope.original_max_position_embeddings
-        inv = torch.where(long, rope_inv_freq(cfg, long=True)[None, :], inv)  # (max_seq, rot/2)
+    inv = rope_inv_freq(cfg, rope=rope)[None, :]  # (1, rot/2)
+    if rope.type == "longrope":
+        long = pos >= rope.original_max_position_embeddings
+        inv = torch.where(long, rope_inv_freq(cfg, long=True, rope=rope)[None, :], inv)  # (max_seq, rot/2)
     freqs = pos * inv
-    a = cfg.rope.attention_factor
+    a = rope.attention_factor
     return (freqs.cos() * a).float(), (freqs.sin() * a).float()
 
 
@@ -167,7 +168,24 @@ def window_band(mask: Tensor, write_index: Tensor | None, seq: int, window: int)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: DecoderConfig) -> Tensor:
+    if cfg.attn_logit_softcap is not None:
+        return softcapped_attention(q, k, v, mask, cfg.scale, cfg.attn_logit_softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.scale, enable_gqa=True)
+
+
+def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, cap: float) -> Tensor:
+    """Attention whose scores are capped before the mask: cap * tanh(q.k * scale / cap) (Gemma 2), the
+    matmul-softmax form, as torch's SDPA has no softcap. q (B, H_q, S, D); k, v (B, H_kv, L, D), each K/V
+    head serving H_q / H_kv query heads; mask bool (True = attend) or additive -> (B, H_q, S, D)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H_q, L, D)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap  # (B, H_q, S, L)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
+    return torch.matmul(scores.softmax(dim=-1), v)
 
 
 class _Static(KVStep):
@@ -222,7 +240,8 @@ class StaticOnnx(_Static, _OnnxRope):
         k_all = tensor_scatter(past_k, k, step.write_index)  # (B, H_kv, L, D)
         v_all = tensor_scatter(past_v, v, step.write_index)
         y = onnx_ops.attention(q, k_all, v_all, step.mask, q_num_heads=cfg.num_attention_heads,
-                               kv_num_heads=cfg.num_key_value_heads, scale=cfg.scale)[0]
+                               kv_num_heads=cfg.num_key_value_heads, scale=cfg.scale,
+                               softcap=cfg.attn_logit_softcap or 0.0)[0]
         return y, k_all, v_all
 
 
@@ -242,7 +261,8 @@ class ConcatOnnx(_Concat, _OnnxRope):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
                cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
         y, k_all, v_all, _ = onnx_ops.attention(q, k, v, step.mask, past_k, past_v, q_num_heads=cfg.num_attention_heads,
-                                                kv_num_heads=cfg.num_key_value_heads, scale=cfg.scale)
+                                                kv_num_heads=cfg.num_key_value_heads, scale=cfg.scale,
+                                                softcap=cfg.attn_logit_softcap or 0.0)
         return y, k_all, v_all
 
 
@@ -276,7 +296,7 @@ class Norm(nn.Module):
 
 
 class HeadNorm(Norm):
-    """One RMSNorm of width head_dim applied to every head of x (B, S, H*D) (Qwen3's q/k norm)."""
+    """One RMSNorm of width head_dim applied to every head of x (B, S, H*D) (Qwen3's and Gemma 3's q/k norm)."""
 
     def __init__(self, heads: int, head_dim: int, eps: float):
         super().__init__(head_dim, "rms", eps)
@@ -391,18 +411,19 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm: x + f(norm(x)); post-norm (OLMo 2): x + norm(f(x)); parallel (GPT-NeoX): x + attn + mlp."""
+    """Pre-norm: x + f(norm(x)); post-norm (OLMo 2): x + norm(f(x)); sandwich (Gemma 2 and 3): x + norm(f(norm(x)));
+    parallel (GPT-NeoX): x + attn + mlp."""
 
     def __init__(self, cfg: DecoderConfig, index: int = 0):
         super().__init__()
-        pre = cfg.norm_position == "pre"
+        pre, post = cfg.norm_position in ("pre", "sandwich"), cfg.norm_position in ("post", "sandwich")
         self.parallel, self.residual_scale = cfg.parallel_residual, cfg.residual_scale
         self.attn_norm = block_norm(cfg) if pre else nn.Identity()
         self.attn = Attention(cfg)
-        self.post_attn_norm = nn.Identity() if pre else block_norm(cfg)
+        self.post_attn_norm = block_norm(cfg) if post else nn.Identity()
         self.mlp_norm = block_norm(cfg) if pre else nn.Identity()
         self.mlp = MoeMlp(cfg) if cfg.is_moe_layer(index) else Mlp(cfg)
-        self.post_mlp_norm = nn.Identity() if pre else block_norm(cfg)
+        self.post_mlp_norm = block_norm(cfg) if post else nn.Identity()
 
     def forward(self, x: Tensor, step: Step, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         a, k, v = self.attn(self.attn_norm(x), step, past_k, past_v)
@@ -437,14 +458,19 @@ class Decoder(nn.Module):
         self.cfg, self.max_seq = cfg, max_seq
         self.kv, self.last_token_only = kv, last_token_only
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # the embedding scale rounded to each model dtype first, as transformers' Gemma does (the same
+        # multiply as an unrounded one in fp32); made here, on the CPU, as tracing cannot read a tensor's value
+        self.embedding_scales = {dt: torch.tensor(cfg.embedding_scale or 1.0, dtype=dt, device="cpu").item()
+                                 for dt in (torch.float32, torch.float16, torch.bfloat16)}
         if cfg.position_kind == "learned":
             self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         else:
-            cos, sin = rope_tables(cfg, max_seq)
-            self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq, rot/2)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            self.set_rope_tables(max_seq)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.windows = tuple(cfg.window_of(i) for i in range(cfg.num_hidden_layers))
+        # per layer: its window and whether it reads the sliding layers' own RoPE tables (Gemma 3)
+        self.layer_kinds = tuple((w, cfg.rope_local is not None and cfg.rope_of(i) is cfg.rope_local)
+                                 for i, w in enumerate(self.windows))
         self.norm = block_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -465,6 +491,15 @@ class Decoder(nn.Module):
         finally:
             self.kv, self.last_token_only = saved
 
+    def set_rope_tables(self, max_seq: int) -> None:
+        """(Re)make the RoPE buffers (max_seq, rot/2): rope_cos/rope_sin of cfg.rope, and rope_local_cos/
+        rope_local_sin of cfg.rope_local where the sliding layers have their own (Gemma 3)."""
+        for name, rope in (("rope", self.cfg.rope), ("rope_local", self.cfg.rope_local)):
+            if rope is not None:
+                cos, sin = rope_tables(self.cfg, max_seq, rope)
+                self.register_buffer(f"{name}_cos", cos, persistent=False)
+                self.register_buffer(f"{name}_sin", sin, persistent=False)
+
     def cache_shape(self, batch: int, cache_len: int) -> tuple[int, int, int, int]:
         return (batch, self.cfg.num_key_value_heads, cache_len, self.cfg.head_dim)  # BHSD
 
@@ -479,21 +514,28 @@ class Decoder(nn.Module):
         """(logits, *presents) for input_ids (B, S) given one step's shared inputs and the past caches."""
         x = self.embed(input_ids, step.position_ids)
         # one banded mask per distinct window, made once in the graph and shared by its layers
-        banded = {w: step._replace(mask=step.kv.window_mask(step, w), window=w)
-                  for w in sorted({w for w in self.windows if w is not None})}
+        bands = {w: step.kv.window_mask(step, w) for w in sorted({w for w in self.windows if w is not None})}
+        steps = {kind: self.layer_step(step, *kind, bands) for kind in dict.fromkeys(self.layer_kinds)}
         presents: list[Tensor] = []
         for i, layer in enumerate(self.layers):
-            w = self.windows[i]
-            x, k, v = layer(x, step if w is None else banded[w], past[2 * i], past[2 * i + 1])
+            x, k, v = layer(x, steps[self.layer_kinds[i]], past[2 * i], past[2 * i + 1])
             presents += [k, v]
         return (self.head(x), *presents)
+
+    def layer_step(self, step: Step, window: int | None, local_rope: bool, bands: dict[int, Tensor]) -> Step:
+        """The step as a layer of this kind sees it: its window's band of the mask, its RoPE tables."""
+        if window is not None:
+            step = step._replace(mask=bands[window], window=window)
+        if local_rope:
+            step = step._replace(cos=self.rope_local_cos, sin=self.rope_local_sin)
+        return step
 
     def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """(B, S) ids -> (B, S, hidden) residual stream entering the first block."""
         cfg = self.cfg
         x = self.embed_tokens(input_ids)  # (B, S, hidden)
         if cfg.embedding_scale is not None:
-            x = x * cfg.embedding_scale
+            x = x * self.embedding_scales[x.dtype]
         if cfg.position_kind == "learned":
             x = x + self.embed_positions(position_ids)
         return x
@@ -506,4 +548,7 @@ class Decoder(nn.Module):
         logits = self.lm_head(x)
         if self.cfg.logit_divisor is not None:
             logits = logits / self.cfg.logit_divisor
+        if self.cfg.final_logit_softcap is not None:
+            cap = self.cfg.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
         return logits

@@ -16,7 +16,7 @@ import torch
 from onnx import numpy_helper
 
 from kvexport.checkpoint import Checkpoint
-from kvexport.decoder import CacheStyle, Decoder, kv_step, rope_tables
+from kvexport.decoder import CacheStyle, Decoder, kv_step
 from kvexport.errors import ArtifactError
 from kvexport.manifest import Manifest
 
@@ -354,5 +354,5 @@ def decoder_from_ir(folder: str | Path, manifest: Manifest, *, cache_style: Cach
     if cfg.tie_word_embeddings:
         dec.lm_head.weight = dec.embed_tokens.weight  # to_empty gave the tied pair two tensors
     if cfg.position_kind == "rope":
-        dec.rope_cos, dec.rope_sin = rope_tables(cfg, manifest.max_seq)  # buffers were built on meta
+        dec.set_rope_tables(manifest.max_seq)  # buffers were built on meta
     return dec.eval().requires_grad_(False)

@@ -77,6 +77,24 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
                   "decoder_sparse_step": 1, "mlp_only_layers": [0],
                   "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    # no layer_types: transformers' pattern (sliding, global, sliding, global); window 16, well inside the
+    # tests' sequences; head_dim and query_pre_attn_scalar unlike hidden/heads; softcaps small enough that
+    # tanh bends the tiny model's attention scores and logits
+    "gemma2": {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 24,
+               "vocab_size": 320, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+               "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 16, "attn_logit_softcapping": 5.0,
+               "final_logit_softcapping": 8.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+               "pad_token_id": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    # 6 layers of transformers' 5 sliding : 1 global pattern; the global layer's RoPE scaled (linear), the
+    # sliding ones' with their own base
+    "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+                    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 48,
+                    "vocab_size": 320, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+                    "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 16, "tie_word_embeddings": True,
+                    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
 }
 
 BENCH_125M: dict[str, Any] = {

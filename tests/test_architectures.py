@@ -49,6 +49,17 @@ def test_family_differences_are_data() -> None:
     assert abs(rope.attention_factor - (1 + math.log(2) / math.log(128)) ** 0.5) < 1e-12  # 256 / 128 positions
     sc = cfg["starcoder2"]
     assert (sc.norm_kind, sc.mlp_kind, sc.activation, sc.sliding_window) == ("layer", "plain", "gelu_tanh", 24)
+    g2 = cfg["gemma2"]  # no layer_types in its config.json: transformers' alternation, sliding first
+    assert g2.layer_types == ("sliding_attention", "full_attention") * 2
+    assert [g2.window_of(i) for i in range(4)] == [16, None, 16, None] and g2.window_of(0) != sc.window_of(0)
+    assert (g2.norm_position, g2.activation, g2.embedding_scale, g2.attention_scale) == ("sandwich", "gelu_tanh", 8.0, 24**-0.5)
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.rope_local) == (5.0, 8.0, None)
+    g3 = cfg["gemma3_text"]  # 5 sliding : 1 global, the global layer's RoPE scaled, the sliding ones' own base
+    assert [g3.window_of(i) for i in range(6)] == [16] * 5 + [None]
+    assert (g3.qk_norm, g3.attn_logit_softcap, g3.final_logit_softcap) == ("head", None, None)
+    assert (g3.rope.theta, g3.rope.type, g3.rope.factor) == (1e6, "linear", 2.0)
+    assert g3.rope_local is not None and (g3.rope_local.theta, g3.rope_local.type) == (1e4, "default")
+    assert [g3.rope_of(i) is g3.rope_local for i in range(6)] == [True] * 5 + [False]
 
 
 def test_every_config_field_differs_from_its_default_in_some_family() -> None:
@@ -80,6 +91,26 @@ def test_transformers_v4_rope_fields_are_read() -> None:
     assert (rope.theta, rope.type, rope.factor) == (1234.0, "linear", 2.0)
 
 
+def test_gemma_configs_without_keys_take_transformers_defaults() -> None:
+    """Absent keys mean transformers' class defaults (softcaps 50/30 for Gemma 2, none for Gemma 3); null turns
+    a softcap off; Gemma 3's 4.x RoPE fields (rope_theta, rope_scaling, rope_local_base_freq) read as 5's."""
+    transformers = pytest.importorskip("transformers")
+    keys = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "head_dim", "sliding_window")
+    bare = {k: v for k, v in TINY_CONFIGS["gemma2"].items() if k not in keys}
+    mine = map_config(bare)
+    hf = transformers.AutoConfig.for_model(**bare)
+    assert (mine.attn_logit_softcap, mine.final_logit_softcap) == (hf.attn_logit_softcapping, hf.final_logit_softcapping)
+    assert (mine.head_dim, mine.sliding_window, mine.attention_scale) == (hf.head_dim, hf.sliding_window,
+                                                                        hf.query_pre_attn_scalar**-0.5)
+    assert map_config({**bare, "final_logit_softcapping": None}).final_logit_softcap is None
+    g3 = {k: v for k, v in TINY_CONFIGS["gemma3_text"].items() if k != "rope_parameters"}
+    v4 = map_config({**g3, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                     "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert v4 == map_config(TINY_CONFIGS["gemma3_text"])
+    hf3 = transformers.AutoConfig.for_model(**{**g3, "num_hidden_layers": 8})
+    assert map_config({**g3, "num_hidden_layers": 8}).layer_types == tuple(hf3.layer_types)
+
+
 def test_unknown_model_type_names_supported_families() -> None:
     with pytest.raises(UnsupportedArchitectureError) as e:
         map_config({"model_type": "mamba"})
@@ -103,6 +134,11 @@ def test_unknown_model_type_names_supported_families() -> None:
         ("phi3", "rope_parameters", {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}),
         ("llama", "rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        ("gemma3_text", "use_bidirectional_attention", True),  # EmbeddingGemma's encoder, not a decoder
+        ("gemma3_text", "rope_parameters", {"full_attention": {"rope_type": "yarn", "factor": 8.0},
+                                            "sliding_attention": {"rope_type": "default"}}),
+        ("gemma2", "layer_types", ["sliding_attention", "chunked_attention", "sliding_attention", "full_attention"]),
+        ("gemma2", "attn_logit_softcapping", 0.0),
     ],
 )
 def test_unsupported_feature_names_the_field(family: str, field: str, value: object) -> None:

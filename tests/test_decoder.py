@@ -12,12 +12,20 @@ from kvexport.decoder import IN_PLACE, kv_step, scatter_rows
 from tests.conftest import FAMILIES, HFReference, random_ids
 
 
+# torch 2.13 runs torch.onnx.ops.attention eagerly with the softcap applied after the mask (a masked score becomes
+# -cap, not -inf); the ONNX spec and ONNX Runtime cap first, and tests/test_ir.py holds the exported graph to
+# transformers. Measured: that eager op equals mask-then-cap to 0.0 and misses cap-then-mask by 0.3.
+EAGER_ONNX_SOFTCAP = pytest.mark.xfail(strict=True, reason="torch's eager ONNX Attention caps after the mask")
+
+
 @pytest.mark.parametrize("onnx_ops", [False, True], ids=["torch-ops", "onnx-ops"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decoder_matches_transformers(family: str, onnx_ops: bool, checkpoints: dict[str, Path],
-                                      references: dict[str, HFReference]) -> None:
+                                      references: dict[str, HFReference], request: pytest.FixtureRequest) -> None:
     ck = load_checkpoint(checkpoints[family], max_seq=64, kv=kv_step("static", onnx_ops=onnx_ops))
-    dec, S, L = ck.decoder, 40, 48  # 40 > mistral's sliding window of 24
+    if onnx_ops and ck.config.attn_logit_softcap is not None:
+        request.applymarker(EAGER_ONNX_SOFTCAP)
+    dec, S, L = ck.decoder, 40, 48  # 40 > the sliding windows (mistral 24, gemma 16)
     ids = random_ids(S, seed=1)
     i = torch.arange(S)
     mask = torch.zeros(1, 1, S, L, dtype=torch.bool)

@@ -168,9 +168,10 @@ def test_graph_keeps_kv_heads_grouped_and_writes_with_tensor_scatter(family: str
         assert shapes[mask].dim[3].dim_param == "cache_len"
     if cfg.position_kind == "rope":
         assert ops.count("RotaryEmbedding") == 2 * cfg.num_hidden_layers
-    if cfg.norm_kind == "rms":  # two block norms per layer and the final one, plus q and k norms where the family has them
-        qk = 2 * cfg.num_hidden_layers if cfg.qk_norm != "none" else 0
-        assert ops.count("RMSNormalization") == 2 * cfg.num_hidden_layers + 1 + qk
+    if cfg.norm_kind == "rms":  # block norms (two per layer, four sandwiching both sublayers) and the final one,
+        qk = 2 * cfg.num_hidden_layers if cfg.qk_norm != "none" else 0  # plus q and k norms where the family has them
+        per_layer = 4 if cfg.norm_position == "sandwich" else 2
+        assert ops.count("RMSNormalization") == per_layer * cfg.num_hidden_layers + 1 + qk
 
 
 def test_cache_capacity_is_one_symbolic_dim_shared_by_caches_mask_and_outputs(artifacts: dict[str, Path]) -> None:

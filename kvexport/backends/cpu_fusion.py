@@ -109,7 +109,7 @@ def fuse_group_query_attention(model: onnx.ModelProto) -> int:
             [merge.output[0], tk.output[0], tv.output[0]],
             name=f"{scope}/GroupQueryAttention_0", domain="com.microsoft",
             num_heads=int(_attr(a, "q_num_heads")), kv_num_heads=int(_attr(a, "kv_num_heads")),
-            scale=float(_attr(a, "scale")),
+            scale=float(_attr(a, "scale")), softcap=float(_attr(a, "softcap") or 0.0),  # type: ignore[arg-type]
         )
         replace[id(merge)] = [*made, gqa]
         dead.update({id(a), id(tk), id(tv)})
