@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvexport import backends
-from kvexport.artifact import VERIFY_FILE, export_artifact, finish, open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import BackendUnavailableError, InputError, NumericsMismatchError
@@ -40,9 +39,12 @@ def build(
     if reasons and not (caps.deferred_build and defer):
         hint = " Pass --defer to package the prepared IR; the engine is then built at first load." if caps.deferred_build else ""
         raise BackendUnavailableError(f"target {target!r} cannot build here: " + "; ".join(reasons) + "." + hint)
-    if verify:
-        _require_verify_reference()
+    if verify:  # the row first: it needs no import of transformers
         _require_tolerance_row(target, resolved)
+        _require_verify_reference()
+    # torch and the ONNX exporter load only now: a refused build answers in a second, not after their import
+    from kvexport.artifact import VERIFY_FILE, export_artifact, finish, open_artifact
+
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="kvexport-default-") as tmp:
         if model_dir is None:
@@ -130,6 +132,7 @@ def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: i
 
     A reference that is not the artifact's model, or a missing transformers (unless self_check),
     is refused before the engine is loaded."""
+    from kvexport.artifact import VERIFY_FILE, finish, open_artifact
     from kvexport.runtime.engine import load
     from kvexport.verify import check_reference, require_reference, verify_engine
 

@@ -70,12 +70,16 @@ class AmdBackend(Backend):
         return problems
 
     def build_options(self, options: BuildOptions) -> dict[str, Any]:
-        """Also refuses, before the export, a block size for int8: torch's int8 kernel has no blocks."""
+        """Also refuses, before the export, a block size for int8 (torch's int8 kernel has no blocks) and
+        --option device=gpu on a machine without one."""
         if (options.weights or options.precision) == "int8" and options.group_size not in (
                 None, self.capabilities().default_group_size["int8"]):
             raise InputError(f"amd int8 keeps one scale per output channel; drop --group-size {options.group_size}, "
                              "or use --weights int4 for block scales")
-        return super().build_options(options)
+        extra = super().build_options(options)
+        if extra["device"] == "gpu":
+            dv.select("gpu")  # BackendUnavailableError, saying what to do, where there is none
+        return extra
 
     # --- build ----------------------------------------------------------------------------------
     def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from kvexport.backends import Backend, BuildOptions, Capabilities, Option, Progress
-from kvexport.checkpoint import sha256_file
 from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, UnsupportedFeatureError
 from kvexport.manifest import Manifest
 
@@ -224,6 +223,8 @@ class NvidiaBackend(Backend):
         tmp = plan_path.with_suffix(".partial")
         tmp.write_bytes(plan)
         tmp.replace(plan_path)
+        from kvexport.checkpoint import sha256_file  # imports torch: not before a build is refused
+
         entry = {"sha256": sha256_file(plan_path), "fingerprint": info.fingerprint(), "ir_sha256": ir_sha}
         entry_path.write_text(json.dumps(entry, indent=2) + "\n")
         return plan_path
@@ -271,6 +272,8 @@ def profiles_from_target(target: dict[str, Any]) -> list[Profile]:
 
 def cached_plan_ok(entry_path: Path, plan_path: Path, fingerprint: dict[str, str], ir_sha: str) -> bool:
     """A cached rebuild is used only if its entry names this machine and IR and its bytes match."""
+    from kvexport.checkpoint import sha256_file
+
     if not entry_path.is_file() or not plan_path.is_file():
         return False
     try:
