@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,9 @@ def test_failed_verification_keeps_the_artifact_marked_failed(checkpoints: dict[
         kvexport.load(out)
 
 
-def test_interrupted_build_leaves_the_previous_artifact(checkpoints: dict[str, Path], tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    out = build(checkpoints["llama"], tmp_path / "y.kvx", max_seq=64, verify=False)
+def test_interrupted_build_leaves_the_previous_artifact(checkpoints: dict[str, Path], artifacts: dict[str, Path],
+                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = Path(shutil.copytree(artifacts["llama"], tmp_path / "y.kvx"))  # the previous artifact: the session's build
     before = (out / "manifest.json").read_text()
 
     def boom(*_a: object, **_k: object) -> None:
