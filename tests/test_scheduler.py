@@ -13,6 +13,7 @@ from kvexport.runtime.engine import Engine
 from kvexport.errors import ContextOverflowError, InputError
 from kvexport.runtime.rows import BoundRows, StateRows
 from kvexport.runtime.scheduler import QueueFullError, Scheduler, SchedulerClosedError
+from kvexport.testing import greedy_logits, run_staggered
 
 from tests.conftest import random_ids
 
@@ -35,16 +36,6 @@ def mistral(artifacts: dict[str, Path]) -> Engine:
     return kvexport.load(artifacts["mistral"])  # sliding window 24: the rows' masks slide too
 
 
-def _alone_logits(engine: Engine, prompt: list[int], n: int) -> np.ndarray:
-    b = engine.prefill(prompt, n)
-    out = [b.logits[0].copy()]
-    for _ in range(n - 1):
-        engine.decode(b, np.array([int(out[-1].argmax())]))
-        out.append(b.logits[0].copy())
-    engine.session.release(b.state)
-    return np.array(out)
-
-
 @pytest.mark.parametrize("kind", ["bound", "state"])
 @pytest.mark.parametrize("chunk", [64, 4])
 @pytest.mark.parametrize("model", ["engine", "mistral"])
@@ -54,37 +45,13 @@ def test_rows_staggered_equal_alone(kind: str, chunk: int, model: str, request: 
     engine = request.getfixturevalue(model)
     prompts = [random_ids(n, seed=n) for n in (5, 17, 30, 9)]
     n_new = 40
-    ref = [_alone_logits(engine, p, n_new) for p in prompts]
+    ref = [greedy_logits(engine, p, n_new) for p in prompts]
     cls = BoundRows if kind == "bound" else StateRows
     rows = cls(engine.session, 6, engine.config.sliding_window)
-    where = [1, 3, 0, 5]
-    got: list[list[np.ndarray]] = [[] for _ in prompts]
-    fed = [0] * 4
-    pending: dict[int, int] = {}
-    started, step = 0, 0
-    while any(len(g) < n_new for g in got):
-        if started < 4 and step % 3 == 0:
-            rows.reset(where[started], 80)
-            started += 1
-        for i in range(started):  # one prefill chunk per step
-            if fed[i] < len(prompts[i]):
-                part = prompts[i][fed[i]: fed[i] + chunk]
-                lg = rows.extend(where[i], np.array(part))
-                fed[i] += len(part)
-                if fed[i] == len(prompts[i]):
-                    got[i].append(lg.copy())
-                    pending[i] = int(lg.argmax())
-                break
-        live = sorted((i for i in pending if len(got[i]) < n_new), key=lambda i: where[i])
-        if live:
-            lg = rows.decode(np.array([where[i] for i in live]), np.array([pending[i] for i in live]))
-            for j, i in enumerate(live):
-                got[i].append(lg[j].copy())
-                pending[i] = int(lg[j].argmax())
-        step += 1
+    got = run_staggered(rows, prompts, n_new, where=[1, 3, 0, 5], chunk=chunk)
     rows.release()
     for i in range(4):
-        g = np.array(got[i])
+        g = got[i]
         np.testing.assert_allclose(g, ref[i], atol=1e-4, rtol=0)
         assert (g.argmax(-1) == ref[i].argmax(-1)).all()
         if chunk == 64:  # the whole prompt in one step: the same numbers as alone

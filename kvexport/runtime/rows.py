@@ -13,8 +13,9 @@ Two implementations:
   buffers. Nothing is copied per step; the buffers grow along the capacity ladder (one copy per
   step of the ladder, never per token).
 - `StateRows` (any Session): one Session state of batch 1 per row, stepped one row at a time.
-  Correct on every backend (the intel target's stateful requests included) but without the
-  batching gain.
+  Correct on every backend but without the batching gain.
+- A backend's own rows (`Session.batched_rows`): the intel target's `PagedRows` runs every row in
+  one OpenVINO infer through paged attention over block caches (backends/intel/kvexport_intel/paged.py).
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ class Rows(ABC):
         """Append one token to each of `rows` (sorted, distinct); returns their logits (n, V),
         a view that the next call overwrites."""
 
+    def free(self, row: int) -> None:  # noqa: B027 - optional hook
+        """`row`'s request retired: what it holds may go to other rows (it is reset before its next use)."""
+
     def release(self) -> None:  # noqa: B027 - optional hook
         """Free the buffers."""
 
@@ -76,7 +80,8 @@ def rows_for(session: Session, rows: int, sliding_window: int | None = None) -> 
 
     if isinstance(session, CpuSession):
         return BoundRows(session, rows, sliding_window)
-    return StateRows(session, rows, sliding_window)
+    own = session.batched_rows(rows, sliding_window)
+    return own if own is not None else StateRows(session, rows, sliding_window)
 
 
 class BoundRows(Rows):

@@ -437,6 +437,7 @@ class Scheduler:
         r.finish_reason, r.error, r.pending = reason, error, None
         if r.row is not None and self._slots[r.row] is r:
             self._slots[r.row] = None
+            self.rows.free(r.row)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         tail = r.text[r.emitted:] if reason in ("stop", "length") else ""
         r.emitted = len(r.text)

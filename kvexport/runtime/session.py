@@ -36,6 +36,12 @@ class Session(ABC):
         """Facts for `inspect` and `bench` (threads, cache policy, device)."""
         return {}
 
+    def batched_rows(self, rows: int, sliding_window: int | None) -> Any:
+        """This backend's own cache rows for continuous batching (a kvexport.runtime.rows.Rows that
+        decodes every row in one call), or None where it has none for this engine: the scheduler
+        then steps one Session state per row."""
+        return None
+
     def cache_bytes(self, state: Any) -> int | None:
         """Bytes the state's KV cache occupies now, as read from the buffers or the runtime;
         None where the backend cannot measure it (`not_measured` says why)."""

@@ -1,0 +1,53 @@
+"""Helpers the test suites of the core and of every backend share (no test framework imported here)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvexport.runtime.rows import Rows
+
+
+def greedy_logits(engine: Any, prompt: Sequence[int], n: int) -> np.ndarray:
+    """One request alone through `engine` (prefill, then n-1 greedy decode steps): its (n, V) logits."""
+    b = engine.prefill(list(prompt), n)
+    out = [b.logits[0].copy()]
+    for _ in range(n - 1):
+        engine.decode(b, np.array([int(out[-1].argmax())]))
+        out.append(b.logits[0].copy())
+    engine.session.release(b.state)
+    return np.array(out)
+
+
+def run_staggered(rows: Rows, prompts: Sequence[Sequence[int]], n_new: int, where: Sequence[int],
+                  chunk: int, capacity: int = 80) -> list[np.ndarray]:
+    """Drive `rows` as a continuous-batching scheduler would: prompt i enters row where[i] at step 3*i,
+    one prefill chunk (of `chunk` tokens) runs per step, earliest prompt first, while every row whose
+    prompt is in decodes one greedy token per step. Returns each prompt's (n_new, V) logits: its
+    prompt's last, then one per decoded token."""
+    got: list[list[np.ndarray]] = [[] for _ in prompts]
+    fed = [0] * len(prompts)
+    pending: dict[int, int] = {}
+    started, step = 0, 0
+    while any(len(g) < n_new for g in got):
+        if started < len(prompts) and step % 3 == 0:
+            rows.reset(where[started], capacity)
+            started += 1
+        for i in range(started):  # one prefill chunk per step
+            if fed[i] < len(prompts[i]):
+                part = prompts[i][fed[i]: fed[i] + chunk]
+                lg = rows.extend(where[i], np.array(part))
+                fed[i] += len(part)
+                if fed[i] == len(prompts[i]):
+                    got[i].append(lg.copy())
+                    pending[i] = int(lg.argmax())
+                break
+        live = sorted((i for i in pending if len(got[i]) < n_new), key=lambda i: where[i])
+        if live:
+            lg = rows.decode(np.array([where[i] for i in live]), np.array([pending[i] for i in live]))
+            for j, i in enumerate(live):
+                got[i].append(lg[j].copy())
+                pending[i] = int(lg[j].argmax())
+        step += 1
+    return [np.array(g) for g in got]
