@@ -15,6 +15,7 @@ from kvexport.decoder import CacheStyle
 from kvexport.errors import ArtifactError, InputError
 from kvexport.export import CACHE_LEN, OPSET, export_onnx, io_specs
 from kvexport.manifest import Manifest
+from kvexport.runtime.ring import MASK_INPUT, RING_DIM
 
 Progress = Callable[[str], None]
 VERIFY_FILE = "verify.json"
@@ -73,9 +74,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def new_manifest(ck: Checkpoint, *, max_seq: int, cache_style: CacheStyle, last_token_only: bool,
-                 dtype: torch.dtype, tokenizer_files: list[str], weights: dict[str, dict] | None = None) -> Manifest:
+                 dtype: torch.dtype, tokenizer_files: list[str], weights: dict[str, dict] | None = None,
+                 ring: bool = False) -> Manifest:
     cfg = ck.config
-    ins, outs = io_specs(ck.decoder, cache_style, _dtype_name(dtype))
+    with ck.decoder.configured(ring=ring, last_token_only=last_token_only):  # the graph's IO, logits width included
+        ins, outs = io_specs(ck.decoder, cache_style, _dtype_name(dtype))
+        rings, window, max_positions = ck.decoder.ring_layers, ck.decoder.ring_window, ck.decoder.max_positions
+    capacity_dim = CACHE_LEN if cache_style == "static" else "total_seq"
     pairs = [
         {"layer": i, "kind": kind, "input": f"past_key_values.{i}.{kind}", "output": f"present.{i}.{kind}"}
         for i in range(cfg.num_hidden_layers) for kind in ("key", "value")
@@ -97,8 +102,14 @@ def new_manifest(ck: Checkpoint, *, max_seq: int, cache_style: CacheStyle, last_
         "cache": {
             "style": cache_style, "layout": "BHSD", "dtype": _dtype_name(dtype), "max_seq": max_seq,
             "num_layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-            "capacity_dim": CACHE_LEN if cache_style == "static" else "total_seq",
+            "capacity_dim": capacity_dim,
             "sliding_window": cfg.sliding_window, "quantization": None, "pairs": pairs,
+            # each layer's window and the dim that counts its slots: a ring of at most `window` slots, or full length
+            "layers": [{"layer": i, "window": cfg.window_of(i), "slots": RING_DIM if i in rings else capacity_dim}
+                       for i in range(cfg.num_hidden_layers)],
+            "ring": {"window": window, "layers": list(rings), "slots_dim": RING_DIM, "mask_input": MASK_INPUT}
+            if rings else None,
+            "max_positions": max_positions,
         },
         "inputs": [s.to_dict() for s in ins],
         "outputs": [s.to_dict() for s in outs],
@@ -124,9 +135,13 @@ def export_artifact(
     last_token_only: bool = True,
     dtype: torch.dtype = torch.float32,
     overwrite: bool = True,
+    ring: bool = False,
     progress: Progress | None = None,
 ) -> Path:
-    """HF checkpoint folder -> artifact folder holding the IR, tokenizer and manifest (no engine yet)."""
+    """HF checkpoint folder -> artifact folder holding the IR, tokenizer and manifest (no engine yet).
+
+    ring: sliding-window layers keep a window-sized ring cache (static style; `kvexport build` asks for it where
+    the target runs one, Capabilities.ring_cache)."""
     say = progress or (lambda _m: None)
     out = Path(out)
     if out.exists() and not overwrite:
@@ -137,7 +152,8 @@ def export_artifact(
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    ir = export_onnx(ck, tmp, cache_style=cache_style, last_token_only=last_token_only, dtype=dtype, progress=say)
+    ir = export_onnx(ck, tmp, cache_style=cache_style, last_token_only=last_token_only, dtype=dtype, ring=ring,
+                     progress=say)
     tok_files = []
     for name in TOKENIZER_FILES:
         src = Path(model_dir) / name
@@ -145,7 +161,7 @@ def export_artifact(
             shutil.copy2(src, tmp / name)
             tok_files.append(name)
     m = new_manifest(ck, max_seq=max_seq, cache_style=cache_style, last_token_only=last_token_only,
-                     dtype=dtype, tokenizer_files=tok_files, weights=ir.weights)
+                     dtype=dtype, tokenizer_files=tok_files, weights=ir.weights, ring=ring)
     release_weights(ck)
     del ck
     finish(tmp, m)

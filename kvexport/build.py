@@ -56,7 +56,8 @@ def build(
         staging = out.with_name(out.name + ".building")
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            export_artifact(model_dir, staging, max_seq=max_seq, cache_style=caps.ir_cache_style, progress=say)
+            export_artifact(model_dir, staging, max_seq=max_seq, cache_style=caps.ir_cache_style,
+                            ring=caps.ring_cache, progress=say)
             folder, manifest = open_artifact(staging, verify_hashes=False)
             problems = backend.check(manifest)
             if problems:

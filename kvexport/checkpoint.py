@@ -184,4 +184,4 @@ def load_checkpoint(model_dir: str | Path, max_seq: int | None = None, dtype: to
 
 def _rebuild_buffers(decoder: Decoder, cfg: DecoderConfig, max_seq: int) -> None:
     if cfg.position_kind == "rope":
-        decoder.set_rope_tables(max_seq)
+        decoder.set_rope_tables(decoder.rope_positions)  # past max_seq where every layer may slide on a ring

@@ -9,6 +9,7 @@ tests hold them to each other and to `transformers`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import ClassVar, Literal, NamedTuple
@@ -19,30 +20,38 @@ import torch.onnx.ops as onnx_ops
 from torch import Tensor, nn
 
 from kvexport.config import DecoderConfig, RopeConfig
+from kvexport.errors import UnsupportedFeatureError
 
 CacheStyle = Literal["static", "concat"]
 
 
 # --- cache write --------------------------------------------------------------------------
-def scatter_rows(cache: Tensor, update: Tensor, write_index: Tensor) -> Tensor:
-    """Functional cache write: rows write_index[b] .. write_index[b]+S of `cache` := update.
+def _write_rows(cache: Tensor, write_index: Tensor, S: int, circular: bool) -> Tensor:
+    """(B, S) cache slots that S new rows go to: write_index[b] + s, modulo the cache's slots on a ring."""
+    rows = write_index[:, None] + torch.arange(S, device=write_index.device)[None, :]
+    return rows % cache.shape[2] if circular else rows
+
+
+def scatter_rows(cache: Tensor, update: Tensor, write_index: Tensor, *, circular: bool = False) -> Tensor:
+    """Functional cache write: rows write_index[b] .. write_index[b]+S of `cache` := update; `circular`
+    takes them modulo the cache's slots (a sliding layer's ring; S must not exceed its slots).
 
     cache (B, H_kv, L, D), update (B, H_kv, S, D), write_index (B,) -> (B, H_kv, L, D)
     """
     B, H, S, D = update.shape
-    idx = write_index[:, None] + torch.arange(S, device=update.device)[None, :]  # (B, S)
+    idx = _write_rows(cache, write_index, S, circular)  # (B, S)
     idx = idx[:, None, :, None].expand(B, H, S, D)  # (B, H_kv, S, D)
     return cache.scatter(2, idx, update)
 
 
-def write_rows_inplace(cache: Tensor, update: Tensor, write_index: Tensor) -> Tensor:
+def write_rows_inplace(cache: Tensor, update: Tensor, write_index: Tensor, *, circular: bool = False) -> Tensor:
     """The same write, into `cache` itself (returned): cache[b, :, write_index[b] + s] = update[b, :, s].
 
     torch.export traces it as index_put on the graph input, which AOTInductor keeps in place
     (the functional scatter compiles to whole-cache copies). The IN_PLACE strategy.
     """
     B, H, S, D = update.shape
-    rows = write_index[:, None] + torch.arange(S, device=update.device)[None, :]  # (B, S)
+    rows = _write_rows(cache, write_index, S, circular)  # (B, S)
     batch = torch.arange(B, device=update.device)[:, None]  # (B, 1)
     cache[batch, :, rows] = update.transpose(1, 2)  # the indexed view is (B, S, H_kv, D)
     return cache
@@ -57,6 +66,15 @@ def tensor_scatter(cache: Tensor, update: Tensor, write_index: Tensor) -> Tensor
 @tensor_scatter.register_fake
 def _tensor_scatter_fake(cache: Tensor, update: Tensor, write_index: Tensor) -> Tensor:
     return torch.empty_like(cache)
+
+
+@torch.library.custom_op("kvexport::ring_scatter", mutates_args=())
+def ring_scatter(cache: Tensor, update: Tensor, write_index: Tensor) -> Tensor:
+    """Emitted as ONNX TensorScatter-24 (mode=circular, axis=-2) by kvexport.export: a ring's write."""
+    return scatter_rows(cache, update, write_index, circular=True)
+
+
+ring_scatter.register_fake(_tensor_scatter_fake)
 
 
 # --- rotary ---------------------------------------------------------------------------------
@@ -126,6 +144,10 @@ class Step(NamedTuple):
     sin: Tensor | None
     kv: KVStep
     window: int | None = None  # this layer's sliding window, already in `mask`; None: the whole past
+    # sliding layers on a ring (Decoder.ring_layers): their mask (B, 1, S, R+S) over the ring's R slots and the S
+    # new rows; a ring layer's own copy has it as `mask` and `ring` True
+    ring_mask: Tensor | None = None
+    ring: bool = False
 
 
 class KVStep:
@@ -145,6 +167,11 @@ class KVStep:
                cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H_q, S, D), new k/v (B, H_kv, S, D) -> y (B, H_q, S, D) and the layer's present k, v."""
         raise NotImplementedError
+
+    def attend_ring(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
+                    cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
+        """`attend` for a sliding layer whose cache is a ring of its window's slots (static styles)."""
+        raise NotImplementedError(f"the {self.style} cache keeps no ring")
 
     def window_mask(self, step: Step, window: int) -> Tensor:
         """step.mask narrowed to what a layer with a `window`-token sliding window sees."""
@@ -190,6 +217,23 @@ def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: f
 
 class _Static(KVStep):
     style = "static"
+    ring_write: Callable[[Tensor, Tensor, Tensor], Tensor]
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: DecoderConfig) -> Tensor:
+        """Grouped-query attention of q (B, H_q, S, D) over k, v (B, H_kv, N, D) under mask (B, 1, S, N)."""
+        raise NotImplementedError
+
+    def attend_ring(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
+                    cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
+        """The ring (B, H_kv, R, D) as it stands, then the S new rows: attend over those R + S keys (step.mask
+        says which ring slots hold a token inside the window), then write the new rows at write_index modulo R.
+        The write takes its rows from the concatenation, so it runs after the ring was read: an in-place write
+        going first would overwrite rows that the earlier tokens of a chunk still see."""
+        R = past_k.shape[2]
+        k_all, v_all = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)  # (B, H_kv, R+S, D)
+        y = self.attention(q, k_all, v_all, step.mask, cfg)
+        return (y, self.ring_write(past_k, k_all[:, :, R:], step.write_index),
+                self.ring_write(past_v, v_all[:, :, R:], step.write_index))
 
     def split(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor, tuple[Tensor, ...]]:
         return inputs[0], inputs[1], inputs[2:]
@@ -218,18 +262,23 @@ class StaticTorch(_Static, _TorchRope):
     """Functional scatter into the whole preallocated cache, then SDPA over it (eager, torch.export)."""
 
     write = staticmethod(scatter_rows)
+    ring_write = staticmethod(functools.partial(scatter_rows, circular=True))
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: DecoderConfig) -> Tensor:
+        return _sdpa(q, k, v, mask, cfg)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
                cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
         k_all = self.write(past_k, k, step.write_index)  # (B, H_kv, L, D): the whole cache
         v_all = self.write(past_v, v, step.write_index)
-        return _sdpa(q, k_all, v_all, step.mask, cfg), k_all, v_all
+        return self.attention(q, k_all, v_all, step.mask, cfg), k_all, v_all
 
 
 class InPlaceTorch(StaticTorch):
     """StaticTorch writing into the past tensors themselves (AOTInductor keeps them in place)."""
 
     write = staticmethod(write_rows_inplace)
+    ring_write = staticmethod(functools.partial(write_rows_inplace, circular=True))
 
 
 class StaticOnnx(_Static, _OnnxRope):
@@ -239,10 +288,14 @@ class StaticOnnx(_Static, _OnnxRope):
                cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
         k_all = tensor_scatter(past_k, k, step.write_index)  # (B, H_kv, L, D)
         v_all = tensor_scatter(past_v, v, step.write_index)
-        y = onnx_ops.attention(q, k_all, v_all, step.mask, q_num_heads=cfg.num_attention_heads,
-                               kv_num_heads=cfg.num_key_value_heads, scale=cfg.scale,
-                               softcap=cfg.attn_logit_softcap or 0.0)[0]
-        return y, k_all, v_all
+        return self.attention(q, k_all, v_all, step.mask, cfg), k_all, v_all
+
+    ring_write = staticmethod(ring_scatter)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: DecoderConfig) -> Tensor:
+        return onnx_ops.attention(q, k, v, mask, q_num_heads=cfg.num_attention_heads,
+                                  kv_num_heads=cfg.num_key_value_heads, scale=cfg.scale,
+                                  softcap=cfg.attn_logit_softcap or 0.0)[0]
 
 
 class ConcatTorch(_Concat, _TorchRope):
@@ -387,7 +440,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, step: Step, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.project(x, step)
-        y, k_all, v_all = step.kv.attend(q, k, v, step, past_k, past_v, self.cfg)
+        attend = step.kv.attend_ring if step.ring else step.kv.attend
+        y, k_all, v_all = attend(q, k, v, step, past_k, past_v, self.cfg)
         return self.output(y), k_all, v_all
 
     def project(self, x: Tensor, step: Step) -> tuple[Tensor, Tensor, Tensor]:
@@ -453,10 +507,12 @@ class Decoder(nn.Module):
     `kv` (a KVStep) decides the op set and cache style; `configured` switches it for a while.
     """
 
-    def __init__(self, cfg: DecoderConfig, max_seq: int, *, kv: KVStep = STATIC_TORCH, last_token_only: bool = False):
+    def __init__(self, cfg: DecoderConfig, max_seq: int, *, kv: KVStep = STATIC_TORCH, last_token_only: bool = False,
+                 ring: bool = False):
         super().__init__()
         self.cfg, self.max_seq = cfg, max_seq
-        self.kv, self.last_token_only = kv, last_token_only
+        self.kv, self.last_token_only, self.ring = kv, last_token_only, ring
+        self.windows = tuple(cfg.window_of(i) for i in range(cfg.num_hidden_layers))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # the embedding scale rounded to each model dtype first, as transformers' Gemma does (the same
         # multiply as an unrounded one in fp32); made here, on the CPU, as tracing cannot read a tensor's value
@@ -465,9 +521,8 @@ class Decoder(nn.Module):
         if cfg.position_kind == "learned":
             self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         else:
-            self.set_rope_tables(max_seq)
+            self.set_rope_tables(self.rope_positions)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.windows = tuple(cfg.window_of(i) for i in range(cfg.num_hidden_layers))
         # per layer: its window and whether it reads the sliding layers' own RoPE tables (Gemma 3)
         self.layer_kinds = tuple((w, cfg.rope_local is not None and cfg.rope_of(i) is cfg.rope_local)
                                  for i, w in enumerate(self.windows))
@@ -480,16 +535,48 @@ class Decoder(nn.Module):
     def cache_style(self) -> CacheStyle:
         return self.kv.style
 
+    @property
+    def ring_layers(self) -> tuple[int, ...]:
+        """Layers whose cache is a ring of `ring_window` slots: the sliding ones, where rings are on (static
+        style) and the window fits in max_seq (a longer one never slides within the cache)."""
+        if not self.ring or self.kv.style != "static":
+            return ()
+        return tuple(i for i, w in enumerate(self.windows) if w is not None and w <= self.max_seq)
+
+    @property
+    def ring_window(self) -> int | None:
+        """The ring layers' window (one mask input serves them all, so they share it); None without rings."""
+        windows = {self.windows[i] for i in self.ring_layers}
+        if len(windows) > 1:
+            raise UnsupportedFeatureError(f"sliding layers with different windows {sorted(windows)} on ring caches: "
+                                          "one ring mask serves one window; export with full-length caches")
+        return windows.pop() if windows else None
+
+    @property
+    def rope_positions(self) -> int:
+        """Rows of the RoPE tables: max_seq, or the model's own max_position_embeddings where every layer may
+        slide on a ring (its positions then go past max_seq)."""
+        if all(w is not None and w <= self.max_seq for w in self.windows):
+            return max(self.max_seq, self.cfg.max_position_embeddings)
+        return self.max_seq
+
+    @property
+    def max_positions(self) -> int:
+        """How far positions go: past max_seq only where every layer keeps a ring."""
+        return self.rope_positions if len(self.ring_layers) == self.cfg.num_hidden_layers else self.max_seq
+
     @contextlib.contextmanager
-    def configured(self, *, kv: KVStep | None = None, last_token_only: bool | None = None) -> Iterator[Decoder]:
-        """Use another strategy (and logits width) inside the block; the previous ones come back after it."""
-        saved = self.kv, self.last_token_only
+    def configured(self, *, kv: KVStep | None = None, last_token_only: bool | None = None,
+                   ring: bool | None = None) -> Iterator[Decoder]:
+        """Use another strategy (logits width, ring caches) inside the block; the previous ones come back after it."""
+        saved = self.kv, self.last_token_only, self.ring
         try:
             self.kv = saved[0] if kv is None else kv
             self.last_token_only = saved[1] if last_token_only is None else last_token_only
+            self.ring = saved[2] if ring is None else ring
             yield self
         finally:
-            self.kv, self.last_token_only = saved
+            self.kv, self.last_token_only, self.ring = saved
 
     def set_rope_tables(self, max_seq: int) -> None:
         """(Re)make the RoPE buffers (max_seq, rot/2): rope_cos/rope_sin of cfg.rope, and rope_local_cos/
@@ -504,8 +591,14 @@ class Decoder(nn.Module):
         return (batch, self.cfg.num_key_value_heads, cache_len, self.cfg.head_dim)  # BHSD
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
-        write_index, mask, past = self.kv.split(inputs)
-        return self.decode(input_ids, self.step(position_ids, write_index, mask, self.kv), past)
+        if not self.ring_layers:
+            write_index, mask, past = self.kv.split(inputs)
+            return self.decode(input_ids, self.step(position_ids, write_index, mask, self.kv), past)
+        # with rings: write_index, attention_mask (absent when every layer is a ring), the rings' mask, *past
+        n = len(inputs) - 2 * self.cfg.num_hidden_layers
+        write_index, masks, past = inputs[0], inputs[1:n], inputs[n:]
+        step = self.step(position_ids, write_index, masks[0] if len(masks) == 2 else None, self.kv)  # type: ignore[arg-type]
+        return self.decode(input_ids, step._replace(ring_mask=masks[-1]), past)
 
     def step(self, position_ids: Tensor, write_index: Tensor | None, mask: Tensor, kv: KVStep) -> Step:
         return Step(position_ids, write_index, mask, getattr(self, "rope_cos", None), getattr(self, "rope_sin", None), kv)
@@ -514,17 +607,22 @@ class Decoder(nn.Module):
         """(logits, *presents) for input_ids (B, S) given one step's shared inputs and the past caches."""
         x = self.embed(input_ids, step.position_ids)
         # one banded mask per distinct window, made once in the graph and shared by its layers
-        bands = {w: step.kv.window_mask(step, w) for w in sorted({w for w in self.windows if w is not None})}
-        steps = {kind: self.layer_step(step, *kind, bands) for kind in dict.fromkeys(self.layer_kinds)}
+        rings = self.ring_layers  # their mask comes banded over the ring (kvexport.runtime.ring)
+        kinds = [(*kind, i in rings) for i, kind in enumerate(self.layer_kinds)]
+        bands = {w: step.kv.window_mask(step, w) for w in sorted({w for w, _, ring in kinds if w is not None and not ring})}
+        steps = {kind: self.layer_step(step, *kind, bands) for kind in dict.fromkeys(kinds)}
         presents: list[Tensor] = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, steps[self.layer_kinds[i]], past[2 * i], past[2 * i + 1])
+            x, k, v = layer(x, steps[kinds[i]], past[2 * i], past[2 * i + 1])
             presents += [k, v]
         return (self.head(x), *presents)
 
-    def layer_step(self, step: Step, window: int | None, local_rope: bool, bands: dict[int, Tensor]) -> Step:
-        """The step as a layer of this kind sees it: its window's band of the mask, its RoPE tables."""
-        if window is not None:
+    def layer_step(self, step: Step, window: int | None, local_rope: bool, ring: bool, bands: dict[int, Tensor]) -> Step:
+        """The step as a layer of this kind sees it: its window's band of the mask (a ring layer: the rings' mask),
+        its RoPE tables."""
+        if ring:
+            step = step._replace(mask=step.ring_mask, window=window, ring=True)
+        elif window is not None:
             step = step._replace(mask=bands[window], window=window)
         if local_rope:
             step = step._replace(cos=self.rope_local_cos, sin=self.rope_local_sin)

@@ -19,6 +19,7 @@ from kvexport.checkpoint import Checkpoint
 from kvexport.decoder import CacheStyle, Decoder, kv_step
 from kvexport.errors import ArtifactError
 from kvexport.manifest import Manifest
+from kvexport.runtime.ring import MASK_INPUT, RING_DIM, RING_MASK_DIM
 
 OPSET = 24
 MODEL_FILE = "model.onnx"
@@ -33,8 +34,11 @@ def cache_names(num_layers: int, prefix: str) -> list[str]:
     return [f"{prefix}.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
 
 
-def input_names(num_layers: int, style: CacheStyle) -> list[str]:
-    head = ["input_ids", "position_ids"] + (["write_index"] if style == "static" else []) + ["attention_mask"]
+def input_names(num_layers: int, style: CacheStyle, *, full_mask: bool = True, ring_mask: bool = False) -> list[str]:
+    """The graph's inputs in order. A static IR whose sliding-window layers keep rings takes their mask
+    (MASK_INPUT) after the full-length layers' `attention_mask`, which it lacks when every layer is a ring."""
+    head = ["input_ids", "position_ids"] + (["write_index"] if style == "static" else [])
+    head += (["attention_mask"] if full_mask else []) + ([MASK_INPUT] if ring_mask else [])
     return head + cache_names(num_layers, "past_key_values")
 
 
@@ -58,13 +62,21 @@ def io_specs(dec: Decoder, style: CacheStyle, dtype: str) -> tuple[list[IOSpec],
     past_len = CACHE_LEN if style == "static" else PAST_SEQ
     present_len = CACHE_LEN if style == "static" else TOTAL_SEQ
     mask_len = CACHE_LEN if style == "static" else TOTAL_SEQ
+    rings = set(dec.ring_layers)
+
+    def slots(name: str, full: str) -> str:  # a ring layer's cache has its own slot count
+        return RING_DIM if int(name.split(".")[-2]) in rings else full
+
     ins = [IOSpec("input_ids", "int64", (BATCH, SEQ)), IOSpec("position_ids", "int64", (BATCH, SEQ))]
     if style == "static":
         ins.append(IOSpec("write_index", "int64", (BATCH,)))
-    ins.append(IOSpec("attention_mask", "bool", (BATCH, 1, SEQ, mask_len)))
-    ins += [IOSpec(n, dtype, (BATCH, Hkv, past_len, D)) for n in cache_names(L, "past_key_values")]
+    if len(rings) < L:
+        ins.append(IOSpec("attention_mask", "bool", (BATCH, 1, SEQ, mask_len)))
+    if rings:
+        ins.append(IOSpec(MASK_INPUT, "bool", (BATCH, 1, SEQ, RING_MASK_DIM)))
+    ins += [IOSpec(n, dtype, (BATCH, Hkv, slots(n, past_len), D)) for n in cache_names(L, "past_key_values")]
     outs = [IOSpec("logits", "float32" if dtype == "float32" else dtype, (BATCH, 1 if dec.last_token_only else SEQ, cfg.vocab_size))]
-    outs += [IOSpec(n, dtype, (BATCH, Hkv, present_len, D)) for n in cache_names(L, "present")]
+    outs += [IOSpec(n, dtype, (BATCH, Hkv, slots(n, present_len), D)) for n in cache_names(L, "present")]
     return ins, outs
 
 
@@ -72,13 +84,17 @@ def _example_inputs(dec: Decoder, style: CacheStyle, dtype: torch.dtype) -> tupl
     B, S, P = 2, 3, 13  # distinct sizes so no dim is specialised by coincidence
     L = P if style == "concat" else 16
     total = P + S if style == "concat" else L
+    R = min(7, dec.ring_window or 7)  # a ring's slots (its mask: R + S keys)
+    rings = set(dec.ring_layers)
     ids = torch.zeros(B, S, dtype=torch.long)
     pos = torch.arange(S)[None].expand(B, S).contiguous()
-    mask = torch.ones(B, 1, S, total, dtype=torch.bool)
-    caches = [torch.zeros(dec.cache_shape(B, L), dtype=dtype) for _ in range(2 * dec.cfg.num_hidden_layers)]
+    masks = [torch.ones(B, 1, S, total, dtype=torch.bool)] if len(rings) < dec.cfg.num_hidden_layers else []
+    masks += [torch.ones(B, 1, S, R + S, dtype=torch.bool)] if rings else []
+    caches = [torch.zeros(dec.cache_shape(B, R if i // 2 in rings else L), dtype=dtype)
+              for i in range(2 * dec.cfg.num_hidden_layers)]
     if style == "static":
-        return (ids, pos, torch.zeros(B, dtype=torch.long), mask, *caches)
-    return (ids, pos, mask, *caches)
+        return (ids, pos, torch.zeros(B, dtype=torch.long), *masks, *caches)
+    return (ids, pos, *masks, *caches)
 
 
 def _dynamic_shapes(dec: Decoder, style: CacheStyle) -> tuple:
@@ -89,6 +105,14 @@ def _dynamic_shapes(dec: Decoder, style: CacheStyle) -> tuple:
     if style == "static":
         cache_len = Dim(CACHE_LEN, min=1, max=dec.max_seq)
         cache = {0: batch, 2: cache_len}
+        rings = set(dec.ring_layers)
+        if rings:
+            W = dec.ring_window
+            ring = {0: batch, 2: Dim(RING_DIM, min=1, max=W)}
+            masks = ([{0: batch, 2: seq, 3: cache_len}] if len(rings) < nc // 2 else [])
+            masks.append({0: batch, 2: seq, 3: Dim(RING_MASK_DIM, min=2, max=W + dec.max_seq)})
+            caches = [ring if i // 2 in rings else cache for i in range(nc)]
+            return ({0: batch, 1: seq}, {0: batch, 1: seq}, ({0: batch}, *masks, *caches))
         return ({0: batch, 1: seq}, {0: batch, 1: seq}, ({0: batch}, {0: batch, 2: seq, 3: cache_len}, *[cache] * nc))
     past, total = Dim(PAST_SEQ, min=0, max=dec.max_seq), Dim(TOTAL_SEQ, min=1, max=dec.max_seq)
     cache = {0: batch, 2: past}
@@ -99,6 +123,12 @@ def _tensor_scatter_onnx(cache, update, write_index):  # type: ignore[no-untyped
     from onnxscript.values import Opset
 
     return Opset("", OPSET).TensorScatter(cache, update, write_index, axis=-2, mode="linear")
+
+
+def _ring_scatter_onnx(cache, update, write_index):  # type: ignore[no-untyped-def]
+    from onnxscript.values import Opset
+
+    return Opset("", OPSET).TensorScatter(cache, update, write_index, axis=-2, mode="circular")
 
 
 @dataclass(frozen=True)
@@ -114,10 +144,12 @@ def export_onnx(
     cache_style: CacheStyle = "static",
     last_token_only: bool = True,
     dtype: torch.dtype = torch.float32,
+    ring: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> ExportedIR:
     """Trace `ck.decoder` with torch.onnx (dynamo) and write model.onnx + model.onnx.data.
 
+    ring: sliding-window layers keep a window-sized ring cache (static style; TensorScatter mode=circular).
     Also returns which initializer holds each decoder parameter (weight_map), for manifest `ir.weights`."""
     say = progress or (lambda _m: None)
     out = Path(out_dir)
@@ -127,7 +159,7 @@ def export_onnx(
     t0 = time.perf_counter()
     say(f"tracing {ck.config.model_type} ({ck.config.num_parameters() / 1e6:.1f}M params, {cache_style} cache)")
     # ONNX ops for this trace only: the decoder's own strategy comes back even if tracing fails
-    with dec.configured(kv=kv_step(cache_style, onnx_ops=True), last_token_only=last_token_only), \
+    with dec.configured(kv=kv_step(cache_style, onnx_ops=True), last_token_only=last_token_only, ring=ring), \
             warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -135,10 +167,11 @@ def export_onnx(
             _example_inputs(dec, cache_style, dtype),
             dynamo=True,
             opset_version=OPSET,
-            input_names=input_names(L, cache_style),
+            input_names=input_names(L, cache_style, full_mask=len(dec.ring_layers) < L, ring_mask=bool(dec.ring_layers)),
             output_names=output_names(L),
             dynamic_shapes=_dynamic_shapes(dec, cache_style),
-            custom_translation_table={torch.ops.kvexport.tensor_scatter.default: _tensor_scatter_onnx},
+            custom_translation_table={torch.ops.kvexport.tensor_scatter.default: _tensor_scatter_onnx,
+                                      torch.ops.kvexport.ring_scatter.default: _ring_scatter_onnx},
             optimize=True,
             verbose=False,
         )
@@ -325,7 +358,8 @@ def decoder_from_ir(folder: str | Path, manifest: Manifest, *, cache_style: Cach
     inits = {i.name: i for i in model.graph.initializer}
     with torch.device("meta"):  # no random init of weights that are overwritten next
         dec = Decoder(cfg, manifest.max_seq, kv=kv_step(cache_style or ir["cache_style"]),
-                      last_token_only=bool(ir["last_token_only"]) if last_token_only is None else last_token_only)
+                      last_token_only=bool(ir["last_token_only"]) if last_token_only is None else last_token_only,
+                      ring=bool(manifest.cache.get("ring")))
     recorded = ir.get("weights")
     where = recorded if recorded is not None else _legacy_weight_map(inits, dec)
     state: dict[str, torch.Tensor] = {}
@@ -354,5 +388,5 @@ def decoder_from_ir(folder: str | Path, manifest: Manifest, *, cache_style: Cach
     if cfg.tie_word_embeddings:
         dec.lm_head.weight = dec.embed_tokens.weight  # to_empty gave the tied pair two tensors
     if cfg.position_kind == "rope":
-        dec.set_rope_tables(manifest.max_seq)  # buffers were built on meta
+        dec.set_rope_tables(dec.rope_positions)  # buffers were built on meta
     return dec.eval().requires_grad_(False)

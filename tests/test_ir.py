@@ -10,6 +10,7 @@ import pytest
 
 from kvexport import manifest as mf
 from kvexport.artifact import export_artifact
+from kvexport.runtime.ring import MASK_INPUT, RING_MASK_DIM, RingSpec, chunks, sliding_mask
 from kvexport.tolerances import tolerance
 from tests.conftest import FAMILIES, MAX_SEQ, HFReference, random_ids
 
@@ -26,14 +27,31 @@ class IRRunner:
         self.sess = ort.InferenceSession(str(folder / self.m.raw["ir"]["file"]), so, providers=["CPUExecutionProvider"])
         self.cfg = self.m.config
         self.style = self.m.raw["ir"]["cache_style"]
+        self.ring = RingSpec.of(self.m)  # sliding-window layers on rings (their own mask input)
+        self.names = {i.name for i in self.sess.get_inputs()}
 
     def empty(self, batch: int, slots: int) -> list[np.ndarray]:
-        shape = (batch, self.cfg.num_key_value_heads, slots, self.cfg.head_dim)
-        return [np.zeros(shape, np.float32) for _ in range(2 * self.cfg.num_hidden_layers)]
+        ring = self.ring
+        return [np.zeros((batch, self.cfg.num_key_value_heads, ring.length(slots) if ring and ring.is_ring(k) else slots,
+                          self.cfg.head_dim), np.float32) for k in range(2 * self.cfg.num_hidden_layers)]
 
     def run(self, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, caches: list[np.ndarray],
             write_index: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+        if self.ring is None:
+            return self._run(ids, pos, mask, caches, write_index)
+        assert write_index is not None  # rows that write at one slot (every test here); rings take W rows a call
+        for a, b in chunks(ids.shape[1], self.ring.window):
+            out, caches = self._run(ids[:, a:b], pos[:, a:b], mask[:, :, a:b], caches, write_index + a)
+        return out, caches
+
+    def _run(self, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, caches: list[np.ndarray],
+             write_index: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
         feeds = {"input_ids": ids.astype(np.int64), "position_ids": pos.astype(np.int64), "attention_mask": mask}
+        if self.ring is not None:
+            held = mask[..., : int(write_index[0]) + ids.shape[1]]  # type: ignore[index]
+            ring_len = caches[2 * min(self.ring.layers)].shape[2]
+            feeds[MASK_INPUT] = sliding_mask(held, ring_len, self.ring.window)
+            feeds = {k: v for k, v in feeds.items() if k in self.names}
         if self.style == "static":
             feeds["write_index"] = write_index.astype(np.int64)  # type: ignore[union-attr]
         feeds.update({inp: c for (inp, _), c in zip(self.m.kv_pairs(), caches)})
@@ -153,19 +171,22 @@ def test_graph_keeps_kv_heads_grouped_and_writes_with_tensor_scatter(family: str
     attn = [n for n in g.node if n.op_type == "Attention"]
     scatter = [n for n in g.node if n.op_type == "TensorScatter"]
     assert len(attn) == cfg.num_hidden_layers and len(scatter) == 2 * cfg.num_hidden_layers
+    rings = RingSpec.of(m).layers if RingSpec.of(m) else frozenset()  # sliding layers on ring caches
     for n in scatter:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-        assert attrs["axis"] == -2 and attrs["mode"] == b"linear"
+        ring = int(n.output[0].split(".")[1]) in rings
+        assert attrs["axis"] == -2 and attrs["mode"] == (b"circular" if ring else b"linear")
         assert n.input[0].startswith("past_key_values.") and n.output[0].startswith("present.")
         assert shapes[n.input[0]].dim[1].dim_value == cfg.num_key_value_heads
     for n in attn:
-        for kv in n.input[1:3]:
-            assert producers[kv].op_type == "TensorScatter"  # K/V straight from the cache: no repeat to q heads
+        ring = int(n.name.split(".")[1]) in rings
+        for kv in n.input[1:3]:  # K/V straight from the cache (a ring: it and the new rows): no repeat to q heads
+            assert producers[kv].op_type == ("Concat" if ring else "TensorScatter")
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert (attrs["q_num_heads"], attrs["kv_num_heads"]) == (cfg.num_attention_heads, cfg.num_key_value_heads)
         # the explicit bool mask; a sliding-window layer's is And(mask, its band)
         mask = n.input[3] if n.input[3] in shapes else producers[n.input[3]].input[0]
-        assert shapes[mask].dim[3].dim_param == "cache_len"
+        assert shapes[mask].dim[3].dim_param == (RING_MASK_DIM if ring else "cache_len")  # a ring's comes banded
     if cfg.position_kind == "rope":
         assert ops.count("RotaryEmbedding") == 2 * cfg.num_hidden_layers
     if cfg.norm_kind == "rms":  # block norms (two per layer, four sandwiching both sublayers) and the final one,

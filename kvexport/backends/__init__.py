@@ -68,6 +68,8 @@ class Capabilities:
     group_sizes: tuple[int, ...] = GROUP_SIZES
     default_group_size: dict[str, int] = field(default_factory=lambda: {"int8": 32, "int4": 32})
     kv_follows_weights: bool = False  # with no --kv, the cache takes the weights' float type (else fp32)
+    # sliding-window layers keep a ring of window slots (IR: TensorScatter mode=circular); False: full length
+    ring_cache: bool = False
     options: tuple[Option, ...] = ()  # its --option keys (see Option)
     # an option that is another name for a core flag: {option: (flag, {its value: the flag's value})}
     option_aliases: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)
@@ -160,6 +162,9 @@ class Backend(ABC):
         if manifest.raw["ir"]["cache_style"] != caps.ir_cache_style:
             return [f"{self.name} lowers the {caps.ir_cache_style}-cache IR; this artifact holds "
                     f"the {manifest.raw['ir']['cache_style']} one (kvexport build picks the right one for you)"]
+        if manifest.cache.get("ring") and not caps.ring_cache:
+            return [f"{self.name} keeps full-length caches and this IR keeps its sliding-window layers on ring caches; "
+                    "export it without rings (kvexport build picks the right one for you)"]
         return []
 
     @abstractmethod

@@ -17,6 +17,7 @@ from kvexport.doctor import read_cpu_flags
 from kvexport.errors import ArtifactError, InputError
 from kvexport.manifest import Manifest
 from kvexport.runtime.buffers import aligned_zeros, capacity_for
+from kvexport.runtime.ring import MASK_INPUT, RingSpec, chunks, sliding_mask
 from kvexport.runtime.session import Session
 
 ENGINE_DIR = "engine"
@@ -70,6 +71,7 @@ class CpuBackend(_Backend):
             default_precision="fp32",
             default_group_size=dict(CPU_DEFAULT_GROUP_SIZE),
             kv_modes=("fp32", "int8"),
+            ring_cache=True,  # ring layers stay unfused Attention-24 + TensorScatter circular (GroupQueryAttention has no ring)
             devices=("cpu",),
             sdk=("onnxruntime",),
         )
@@ -105,6 +107,9 @@ class CpuBackend(_Backend):
         if kv_mode not in self.capabilities().kv_modes:
             raise InputError(f"the cpu target keeps its KV cache in {' or '.join(self.capabilities().kv_modes)}, "
                              f"not {kv_mode!r}")
+        if kv_mode == "int8" and manifest.cache.get("ring"):
+            raise InputError("the cpu target's int8 cache is GroupQueryAttention's, which has no ring, and this model's "
+                             "sliding-window layers keep ring caches; build it with --kv fp32")
         engine = folder / ENGINE_DIR
         engine.mkdir(exist_ok=True)
         progress("lowering attention to ONNX Runtime's GroupQueryAttention and optimizing the graph")
@@ -240,6 +245,9 @@ class CpuSession(Session):
         self.max_seq, self.vocab_size = manifest.max_seq, cfg.vocab_size
         self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
         self.pairs = manifest.kv_pairs()
+        self.ring = RingSpec.of(manifest)  # sliding-window layers on a ring of at most `window` slots
+        # positions a request may reach: past max_seq where every layer slides on a ring
+        self.limit = self.ring.max_positions if self.ring and self.ring.every_layer else self.max_seq
         try:
             self.sess = ort.InferenceSession(str(model), session_options(threads), providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
@@ -247,6 +255,7 @@ class CpuSession(Session):
         # the cache dtype is the loaded graph's: int8 in an engine built with --kv int8, the IR's
         # float type in the IR (the fallback above) and in every other engine
         past = {i.name: i.type for i in self.sess.get_inputs()}[self.pairs[0][0]]
+        self.input_names = {i.name for i in self.sess.get_inputs()}
         self.cache_dtype = ORT_CACHE_DTYPES[past]
         kv = (manifest.target or {}).get("kv") or {}
         self.scale_bytes = int(kv.get("scale_bytes", 0)) if self.cache_dtype == np.int8 else 0
@@ -255,31 +264,43 @@ class CpuSession(Session):
 
     def describe(self) -> dict[str, Any]:
         return {"threads": self.threads, "cache_policy": "grow", "device": "cpu",
-                "kv_dtype": np.dtype(self.cache_dtype).name, "warning": self.warning}
+                "kv_dtype": np.dtype(self.cache_dtype).name, "warning": self.warning,
+                "ring": None if self.ring is None else {"window": self.ring.window, "layers": sorted(self.ring.layers)}}
 
     # --- state -----------------------------------------------------------------------------
     def new_state(self, batch: int, capacity: int) -> CpuState:
-        cap = capacity_for(min(capacity, self.max_seq), self.max_seq)
+        cap = capacity_for(min(capacity, self.max_seq), self.max_seq)  # a ring-only request may pass max_seq
         state = CpuState(batch, 0, [], self.sess.io_binding(),
                          aligned_zeros((batch, 1, self.vocab_size), np.float32))
         state.binding.bind_output("logits", "cpu", 0, np.float32, state.logits.shape, state.logits.ctypes.data)
         self._resize(state, cap)
         return state
 
+    def cache_lengths(self, capacity: int) -> list[int]:
+        """Slots of each cache pair when the full-length ones hold `capacity`: a ring holds at most its window."""
+        ring = self.ring
+        return [ring.length(capacity) if ring is not None and ring.is_ring(k) else capacity
+                for k in range(len(self.pairs))]
+
     def _resize(self, state: CpuState, capacity: int) -> None:
-        """Allocate caches of `capacity` slots, copy the held rows once, rebind past=present."""
-        shape = (state.batch, self.kv_heads, capacity, self.head_dim)  # (B, H_kv, S_max, D)
-        new = [aligned_zeros(shape, self.cache_dtype) for _ in self.pairs]
-        if state.caches:
-            held = state.capacity
-            for old, buf in zip(state.caches, new):
-                buf[:, :, :held] = old
-                state.bytes_copied += old.nbytes
-            state.grow_events.append(capacity)
-        for (inp, out), buf in zip(self.pairs, new):
+        """Allocate caches of `capacity` slots (a ring: at most its window), copy the held rows once, rebind
+        past=present. A ring already at its window keeps its buffer: nothing of it is copied."""
+        new = []
+        for k, ((inp, out), length) in enumerate(zip(self.pairs, self.cache_lengths(capacity))):
+            old = state.caches[k] if state.caches else None
+            if old is not None and old.shape[2] == length:
+                buf = old
+            else:
+                buf = aligned_zeros((state.batch, self.kv_heads, length, self.head_dim), self.cache_dtype)
+                if old is not None:  # slots 0..held-1 in order: a ring shorter than its window never wrapped
+                    buf[:, :, : old.shape[2]] = old
+                    state.bytes_copied += old.nbytes
             # same address for input and output: TensorScatter then writes in place
-            state.binding.bind_input(inp, "cpu", 0, self.cache_dtype, shape, buf.ctypes.data)
-            state.binding.bind_output(out, "cpu", 0, self.cache_dtype, shape, buf.ctypes.data)
+            state.binding.bind_input(inp, "cpu", 0, self.cache_dtype, buf.shape, buf.ctypes.data)
+            state.binding.bind_output(out, "cpu", 0, self.cache_dtype, buf.shape, buf.ctypes.data)
+            new.append(buf)
+        if state.caches:
+            state.grow_events.append(capacity)
         state.caches, state.capacity = new, capacity
         state.mask = aligned_zeros((state.batch, 1, 1, capacity), np.bool_)
 
@@ -301,22 +322,37 @@ class CpuSession(Session):
         total = attention_mask.shape[-1]  # slots held after this step
         if B != state.batch:
             raise InputError(f"this state holds {state.batch} rows, the step gave {B}")
-        if total > self.max_seq:
-            raise InputError(f"{total} slots exceed max_seq {self.max_seq}")
-        if total > state.capacity:
-            self._resize(state, capacity_for(total, self.max_seq))
-        if S == 1:
-            mask = state.mask
-            assert mask is not None
-            mask[..., :total] = attention_mask
-        else:
-            mask = np.zeros((B, 1, S, state.capacity), dtype=np.bool_)
-            mask[..., :total] = attention_mask
+        if total > self.limit:
+            raise InputError(f"{total} slots exceed {'the model' if self.limit > self.max_seq else 'max_seq'} "
+                             f"limit of {self.limit}")
+        T = total - S
+        logits = state.logits[:, 0, :]
+        # a ring takes at most `window` new rows a step (more would overwrite each other): longer ones in pieces
+        for a, b in chunks(S, self.ring.window if self.ring else None):
+            logits = self._step(state, input_ids[:, a:b], position_ids[:, a:b], attention_mask[:, :, a:b, : T + b])
+        return logits
+
+    def _step(self, state: CpuState, input_ids: np.ndarray, position_ids: np.ndarray,
+              attention_mask: np.ndarray) -> np.ndarray:
+        B, S = input_ids.shape
+        total = attention_mask.shape[-1]
+        if min(total, self.max_seq) > state.capacity:
+            self._resize(state, capacity_for(min(total, self.max_seq), self.max_seq))
         b = state.binding
+        if "attention_mask" in self.input_names:  # absent where every layer is a ring
+            if S == 1:
+                mask = state.mask
+                assert mask is not None
+                mask[..., :total] = attention_mask
+            else:
+                mask = np.zeros((B, 1, S, state.capacity), dtype=np.bool_)
+                mask[..., :total] = attention_mask
+            b.bind_cpu_input("attention_mask", mask)
+        if self.ring is not None:
+            b.bind_cpu_input(MASK_INPUT, sliding_mask(attention_mask, self.ring.length(state.capacity), self.ring.window))
         b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         b.bind_cpu_input("write_index", np.full(B, total - S, dtype=np.int64))
-        b.bind_cpu_input("attention_mask", mask)
         t0 = time.perf_counter()
         self.sess.run_with_iobinding(b)
         state.run_seconds += time.perf_counter() - t0

@@ -12,6 +12,7 @@ import numpy as np
 from kvexport.artifact import open_artifact
 from kvexport.errors import ArtifactError, ContextOverflowError, InputError
 from kvexport.manifest import Manifest
+from kvexport.runtime.ring import RingSpec
 from kvexport.runtime.sampling import SamplingParams, sample
 from kvexport.runtime.session import Session
 
@@ -71,6 +72,9 @@ class Engine:
         self.folder, self.manifest, self.session = folder, manifest, session
         self.config = manifest.config
         self.max_seq = manifest.max_seq
+        ring = RingSpec.of(manifest)
+        # how many slots a request may hold: max_seq, or the model's positions where every layer slides on a ring
+        self.limit = ring.max_positions if ring is not None and ring.every_layer else self.max_seq
         self.vocab_size = self.config.vocab_size
         self.eos_ids = tuple(manifest.raw["tokenizer"]["eos_token_ids"])
         self.tokenizer = self._load_tokenizer()
@@ -113,11 +117,13 @@ class Engine:
     # --- lower level: prefill / decode -------------------------------------------------------
     def check_fits(self, longest_prompt: int, max_new_tokens: int) -> None:
         need = longest_prompt + max_new_tokens
-        if need > self.max_seq:
+        if need > self.limit:
             raise ContextOverflowError(
                 f"the request needs {need} cache slots (prompt {longest_prompt} + max_new_tokens {max_new_tokens}) "
-                f"but this engine holds at most max_seq={self.max_seq}; shorten the prompt, lower max_new_tokens, "
-                "or rebuild with a larger --max-seq"
+                + (f"but this engine holds at most max_seq={self.max_seq}; shorten the prompt, lower max_new_tokens, "
+                   "or rebuild with a larger --max-seq" if self.limit == self.max_seq else
+                   f"but every layer of this model slides on a ring and its positions end at {self.limit} "
+                   "(max_position_embeddings); shorten the prompt or lower max_new_tokens")
             )
 
     def prefill(self, prompts: Prompt | Sequence[Prompt], max_new_tokens: int = 0, *, copy: bool = True) -> Batch:
@@ -154,8 +160,8 @@ class Engine:
         The logits are the caller's own array (a copy of B x V floats). copy=False returns a view
         of the engine's output buffer instead, which the next step overwrites."""
         T = batch.slots
-        if T + 1 > self.max_seq:
-            raise ContextOverflowError(f"the cache is full (max_seq={self.max_seq}); no slot left for another token")
+        if T + 1 > self.limit:
+            raise ContextOverflowError(f"the cache is full ({self.limit} slots); no slot left for another token")
         if T + 1 > batch.valid.shape[1]:
             grown = np.zeros((batch.batch_size, max(2 * batch.valid.shape[1], T + 1)), dtype=bool)
             grown[:, : batch.valid.shape[1]] = batch.valid

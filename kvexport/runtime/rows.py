@@ -26,6 +26,7 @@ import numpy as np
 
 from kvexport.errors import ContextOverflowError, InputError
 from kvexport.runtime.buffers import aligned_zeros, capacity_for
+from kvexport.runtime.ring import MASK_INPUT, chunks, row_sliding_mask
 from kvexport.runtime.session import Session
 
 
@@ -62,10 +63,16 @@ class Rows(ABC):
     def release(self) -> None:  # noqa: B027 - optional hook
         """Free the buffers."""
 
+    @property
+    def limit(self) -> int:
+        """Slots a row may hold: max_seq, or more where every layer of the model slides on a ring."""
+        return int(getattr(getattr(self, "s", None), "limit", self.max_seq))
+
     def _check(self, row: int, extra: int) -> None:
-        if self.held[row] + extra > self.max_seq:
+        if self.held[row] + extra > self.limit:
             raise ContextOverflowError(f"row {row} would hold {self.held[row] + extra} slots, more than "
-                                       f"max_seq={self.max_seq}")
+                                       f"{'max_seq=' if self.limit == self.max_seq else 'the model limit of '}"
+                                       f"{self.limit}")
 
     def _causal(self, start: int, n: int, width: int) -> np.ndarray:
         """(n, width) bool: token start+i sees slots 0..start+i (a sliding-window layer's graph bands it)."""
@@ -102,18 +109,25 @@ class BoundRows(Rows):
 
     # --- buffers ------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
-        """(Re)allocate every cache at `capacity` slots, copying the held slots once."""
-        shape = (self.rows, self.s.kv_heads, capacity, self.s.head_dim)
-        new = [aligned_zeros(shape, self.dtype) for _ in self.s.pairs]
-        if self.caches:
-            keep = min(self.capacity, capacity)
-            for old, buf in zip(self.caches, new):
-                buf[:, :, :keep] = old[:, :, :keep]
+        """(Re)allocate every cache at `capacity` slots (a ring: at most its window), copying the held slots
+        once; a ring already at its window keeps its buffer."""
+        new = []
+        for k, length in enumerate(self.s.cache_lengths(capacity)):
+            old = self.caches[k] if self.caches else None
+            if old is not None and old.shape[2] == length:
+                new.append(old)
+                continue
+            buf = aligned_zeros((self.rows, self.s.kv_heads, length, self.s.head_dim), self.dtype)
+            if old is not None:  # a ring shorter than its window never wrapped: its slots are in order too
+                buf[:, :, : old.shape[2]] = old
                 self.bytes_copied += old.nbytes
+            new.append(buf)
+        if self.caches:
             self.grow_events.append(capacity)
         self.caches, self.capacity, self._bound = new, capacity, None
 
     def _ensure(self, slots: int) -> None:
+        slots = min(slots, self.max_seq)  # a ring-only model's rows pass max_seq; its rings stop at the window
         if slots > self.capacity:
             self._grow(capacity_for(slots, self.max_seq))
 
@@ -130,33 +144,46 @@ class BoundRows(Rows):
         if self._bound == (lo, hi, self.capacity):
             return
         n = hi - lo
-        shape = (n, self.s.kv_heads, self.capacity, self.s.head_dim)
         b = self.binding
         for (inp, out), buf in zip(self.s.pairs, self.caches):
+            shape = (n, *buf.shape[1:])
             ptr = buf[lo].ctypes.data  # row lo's slice: rows [lo, hi) are contiguous in C order
             b.bind_input(inp, "cpu", 0, self.dtype, shape, ptr)
             b.bind_output(out, "cpu", 0, self.dtype, shape, ptr)
         b.bind_output("logits", "cpu", 0, np.float32, (n, 1, self.logits.shape[-1]), self.logits[lo].ctypes.data)
         self._bound = (lo, hi, self.capacity)
 
-    def _run(self, lo: int, hi: int, ids: np.ndarray, pos: np.ndarray, write: np.ndarray, mask: np.ndarray) -> None:
+    def _run(self, lo: int, hi: int, ids: np.ndarray, pos: np.ndarray, write: np.ndarray, mask: np.ndarray,
+             live: np.ndarray | None = None) -> None:
+        """One engine call on rows [lo, hi); `live` False marks rows that run only to keep the batch whole."""
         self._bind(lo, hi)
         b = self.binding
         b.bind_cpu_input("input_ids", np.ascontiguousarray(ids, dtype=np.int64))
         b.bind_cpu_input("position_ids", np.ascontiguousarray(pos, dtype=np.int64))
         b.bind_cpu_input("write_index", np.ascontiguousarray(write, dtype=np.int64))
-        b.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
+        if "attention_mask" in self.s.input_names:  # absent where every layer is a ring
+            b.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
+        ring = self.s.ring
+        if ring is not None:
+            b.bind_cpu_input(MASK_INPUT, row_sliding_mask(write, ids.shape[1], ring.length(self.capacity),
+                                                          ring.window, live))
         self.s.sess.run_with_iobinding(b)
 
     # --- rows ---------------------------------------------------------------------------------
     def reset(self, row: int, capacity: int) -> None:
-        if capacity > self.max_seq:
-            raise ContextOverflowError(f"a request of {capacity} slots exceeds max_seq={self.max_seq}")
+        if capacity > self.limit:
+            raise ContextOverflowError(f"a request of {capacity} slots exceeds {self.limit}, the most a row holds")
         self.held[row] = 0
 
     def extend(self, row: int, ids: np.ndarray) -> np.ndarray:
+        self._check(row, len(ids))
+        ring = self.s.ring  # a ring takes at most its window's rows a call: a longer chunk goes in pieces
+        for a, b in chunks(len(ids), ring.window if ring is not None else None):
+            out = self._extend(row, ids[a:b])
+        return out
+
+    def _extend(self, row: int, ids: np.ndarray) -> np.ndarray:
         S = len(ids)
-        self._check(row, S)
         h = int(self.held[row])
         self._ensure(h + S)
         mask = np.zeros((1, 1, S, self.capacity), dtype=bool)
@@ -183,7 +210,7 @@ class BoundRows(Rows):
         idle = np.ones(hi, dtype=bool)
         idle[rows] = False
         mask[idle] = k[0] == write[idle, None]
-        self._run(0, hi, ids, write.reshape(hi, 1), write, mask[:, None, None, :])
+        self._run(0, hi, ids, write.reshape(hi, 1), write, mask[:, None, None, :], ~idle)
         self.held[rows] += 1
         return self.logits[rows, 0]
 

@@ -216,7 +216,7 @@ class Scheduler:
         self.engine = engine
         self.rows = rows or rows_for(engine.session, max_batch, engine.config.sliding_window)
         self.max_batch, self.max_queue, self.prefill_chunk = self.rows.rows, max_queue, prefill_chunk
-        self.max_seq = engine.max_seq
+        self.max_seq = engine.limit  # max_seq, or past it where every layer slides on a ring
         self.stats = Stats()
         self._queue: deque[Request] = deque()
         self._slots: list[Request | None] = [None] * self.max_batch

@@ -42,6 +42,9 @@ def decoder_from_checkpoint(model_dir: Path, manifest: Manifest) -> nn.Module:
 class LogitsOnly(nn.Module):
     """forward(input_ids, position_ids, write_index, attention_mask, *past) -> float32 logits.
 
+    With ring caches the decoder's inputs after write_index are its masks (attention_mask, absent where every
+    layer is a ring, then the rings' mask) and the caches: they pass through in that order.
+
     The caches are updated in place, so the presents the decoder returns (the same tensors) are
     dropped: an output aliasing an input would make AOTInductor copy it.
     """
@@ -59,12 +62,14 @@ class LogitsOnly(nn.Module):
 def example_inputs(decoder: nn.Module, batch: int, seq: int, cache_len: int, dtype: torch.dtype,
                    device: str) -> tuple[Tensor, ...]:
     cfg = decoder.cfg
+    rings, W = set(decoder.ring_layers), decoder.ring_window
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     pos = torch.arange(seq, device=device)[None].expand(batch, seq).contiguous()
-    mask = torch.ones(batch, 1, seq, cache_len, dtype=torch.bool, device=device)
-    caches = [torch.zeros(decoder.cache_shape(batch, cache_len), dtype=dtype, device=device)
-              for _ in range(2 * cfg.num_hidden_layers)]
-    return (ids, pos, torch.zeros(batch, dtype=torch.long, device=device), mask, *caches)
+    masks = [torch.ones(batch, 1, seq, n, dtype=torch.bool, device=device)
+             for n, has in ((cache_len, len(rings) < cfg.num_hidden_layers), ((W or 0) + seq, bool(rings))) if has]
+    caches = [torch.zeros(decoder.cache_shape(batch, W if k // 2 in rings else cache_len), dtype=dtype, device=device)
+              for k in range(2 * cfg.num_hidden_layers)]  # a sliding layer's ring: W slots, static as the rest
+    return (ids, pos, torch.zeros(batch, dtype=torch.long, device=device), *masks, *caches)
 
 
 def export_program(decoder: nn.Module, *, max_batch: int, dtype: torch.dtype, device: str,
@@ -81,12 +86,16 @@ def export_program(decoder: nn.Module, *, max_batch: int, dtype: torch.dtype, de
     seq = Dim("seq", min=1, max=cache_len) if cache_len > 1 else None
     args = example_inputs(decoder, 2 if batch else 1, 3 if seq else 1, cache_len, dtype, device)
     row = {0: batch} if batch else {}
+    n_masks = len(args) - 3 - 2 * decoder.cfg.num_hidden_layers
+    masks = [{**row, **({2: seq} if seq else {})}] * n_masks  # attention_mask (B, 1, S, cache_len)
+    if decoder.ring_layers:  # the rings' mask (B, 1, S, W + S)
+        masks[-1] = {**row, **({2: seq, 3: seq + decoder.ring_window} if seq else {})}
     dynamic = (
         {**row, **({1: seq} if seq else {})},  # input_ids (B, S)
         {**row, **({1: seq} if seq else {})},  # position_ids (B, S)
         dict(row),  # write_index (B,)
-        {**row, **({2: seq} if seq else {})},  # attention_mask (B, 1, S, cache_len)
-        tuple(dict(row) for _ in args[4:]),  # past (B, H_kv, cache_len, D)
+        masks[0],
+        (*masks[1:], *(dict(row) for _ in args[3 + n_masks:])),  # past (B, H_kv, cache_len or W, D)
     )
     # cache writes become index_put on the inputs: kept in place by Inductor
     with torch.no_grad(), decoder.configured(kv=IN_PLACE):
