@@ -10,11 +10,12 @@ import pytest
 
 from kvexport import manifest as mf
 from kvexport.backends.cpu_fusion import fuse_group_query_attention, lower_for_onnxruntime
+from kvexport.runtime.ring import MASK_INPUT, RingSpec, sliding_mask
 from tests.conftest import random_ids
 
 
 def test_engine_graph_has_one_fused_attention_per_layer(artifacts: dict[str, Path]) -> None:
-    folder = artifacts["mistral"]
+    folder = artifacts["qwen2"]  # full attention in every layer (sliding ones keep rings, unfused: test_ring_cache)
     m = mf.read(folder)
     g = onnx.load(str(folder / "engine" / "model.opt.onnx"), load_external_data=False).graph
     ops = [n.op_type for n in g.node]
@@ -39,14 +40,15 @@ def test_engine_graph_reads_packed_qkv_and_folds_residual_adds(artifacts: dict[s
     assert ops.count("RotaryEmbedding") == 2 * layers  # RoPE stays outside: see _packed_qkv
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2", "gemma2"])  # gemma2: GQA's softcap, its layers' own masks
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "gemma2"])  # gemma2: GQA's softcap; its sliding layers' rings stay
 def test_fused_graph_matches_the_ir_with_padding_and_in_place_writes(artifacts: dict[str, Path], family: str) -> None:
     folder = artifacts[family]
     man = mf.read(folder)
     cfg = man.config
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     done = lower_for_onnxruntime(model)
-    assert done["fused_attention_layers"] == cfg.num_hidden_layers
+    ring = RingSpec.of(man)  # gemma2's sliding layers keep rings: the IR's own Attention, left unfused
+    assert done["fused_attention_layers"] == cfg.num_hidden_layers - (len(ring.layers) if ring else 0)
     assert done["fused_skip_norms"] == (0 if family == "gpt2" else 2 * cfg.num_hidden_layers)
     fused = folder / "test-fused.onnx"  # beside the IR: shares its external data
     onnx.save_model(model, str(fused))
@@ -71,11 +73,14 @@ def test_fused_graph_matches_the_ir_with_padding_and_in_place_writes(artifacts: 
     def run(sess: ort.InferenceSession, ids: np.ndarray, pos: np.ndarray, wi: np.ndarray, mask: np.ndarray,
             caches: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         feeds = {"input_ids": ids, "position_ids": pos, "write_index": wi, "attention_mask": mask}
+        if ring is not None:  # over the held slots, through the ring
+            feeds[MASK_INPUT] = sliding_mask(mask[..., : int(wi[0]) + ids.shape[1]], ring.length(L), ring.window)
         feeds.update({p: c for (p, _), c in zip(man.kv_pairs(), caches)})
         out = sess.run(None, feeds)
         return out[0], out[1:]
 
-    zeros = [np.zeros((B, cfg.num_key_value_heads, L, cfg.head_dim), np.float32) for _ in man.kv_pairs()]
+    zeros = [np.zeros((B, cfg.num_key_value_heads, ring.length(L) if ring and ring.is_ring(k) else L, cfg.head_dim),
+                      np.float32) for k in range(len(man.kv_pairs()))]
     a, ca = run(ref, ids, pos, np.zeros(B, np.int64), mask, [z.copy() for z in zeros])
     f, cf = run(fus, ids, pos, np.zeros(B, np.int64), mask, [z.copy() for z in zeros])
     assert np.abs(a - f).max() < 1e-4
@@ -86,7 +91,7 @@ def test_fused_graph_matches_the_ir_with_padding_and_in_place_writes(artifacts: 
         a, ca = run(ref, tok, (t - pad)[:, None], np.full(B, t), step_mask, ca)
         f, cf = run(fus, tok, (t - pad)[:, None], np.full(B, t), step_mask, cf)
         assert np.abs(a - f).max() < 1e-4, t
-        assert max(np.abs(x[:, :, : t + 1] - y[:, :, : t + 1]).max() for x, y in zip(ca, cf)) < 1e-4
+        assert max(np.abs(x[:, :, : t + 1] - y[:, :, : t + 1]).max() for x, y in zip(ca, cf)) < 1e-4  # rings whole
 
 
 def test_concat_style_is_left_alone(checkpoints: dict[str, Path], workdir: Path) -> None:
