@@ -1,6 +1,9 @@
 """Shared fixtures: tiny seeded checkpoints of every family, their IR and cpu artifacts (built once)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +24,18 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def checkpoints(workdir: Path) -> dict[str, Path]:
     return {f: write_checkpoint(TINY_CONFIGS[f], workdir / f"ckpt-{f}", seed=7) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def default_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default model's cpu artifact (max_seq 256), built once by `kvexport build` as a user runs
+    it, verify on; the CLI tests and every test that only loads the default engine share it."""
+    out = tmp_path_factory.mktemp("cli") / "default.kvx"
+    p = subprocess.run([sys.executable, "-m", "kvexport", "build", "-o", str(out), "--max-seq", "256"],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert p.returncode == 0, p.stderr
+    assert "verify:" in p.stderr and "passed" in p.stderr  # build verifies unless told not to
+    return out
 
 
 @pytest.fixture(scope="session")

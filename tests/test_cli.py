@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,14 +20,6 @@ def kvx(*args: str, cwd: Path | None = None, ok: bool = True) -> subprocess.Comp
     if ok:
         assert p.returncode == 0, p.stderr
     return p
-
-
-@pytest.fixture(scope="module")
-def default_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("cli") / "default.kvx"
-    p = kvx("build", "-o", str(out), "--max-seq", "256")
-    assert "verify:" in p.stderr and "passed" in p.stderr  # build verifies unless told not to
-    return out
 
 
 def test_build_default_then_run_inspect_verify(default_artifact: Path) -> None:
@@ -68,8 +61,10 @@ def test_verify_and_bench_commands(default_artifact: Path, tmp_path: Path) -> No
 def test_verify_fails_with_exit_4_against_other_weights(default_artifact: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
     kvx("make-checkpoint", "default", "-o", str(other), "--seed", "1")
-    p = kvx("verify", str(default_artifact), "--reference", str(other), "--steps", "4", "-q", ok=False)
+    art = shutil.copytree(default_artifact, tmp_path / "default.kvx")  # a failed verify marks the artifact failed
+    p = kvx("verify", str(art), "--reference", str(other), "--steps", "4", "-q", ok=False)
     assert p.returncode == 4 and "verification failed" in p.stderr and "Traceback" not in p.stderr
+    assert json.loads((art / "manifest.json").read_text())["verification"]["passed"] is False
 
 
 def test_export_check_lists_problems(tmp_path: Path) -> None:

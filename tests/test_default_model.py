@@ -57,13 +57,11 @@ def test_other_seed_gives_random_weights_of_the_same_shape(tmp_path: Path) -> No
 
 
 @pytest.fixture(scope="module")
-def default_engine(default_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def default_engine(default_artifact: Path):  # noqa: ANN201
+    """The session's `kvexport build` of the default model (tests/conftest.py), not a second build."""
     import kvexport
-    from kvexport.build import build
 
-    art = build(default_dir, tmp_path_factory.mktemp("default-kvx") / "default.kvx", target="cpu", max_seq=256,
-                verify=False)
-    return kvexport.load(art)
+    return kvexport.load(default_artifact)
 
 
 def test_built_default_engine_writes_python_like_text(default_engine) -> None:  # noqa: ANN001
