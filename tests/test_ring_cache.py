@@ -221,3 +221,15 @@ def test_inspect_prints_the_rings_beside_an_all_global_cache(artifacts: dict[str
     # 2 layers x K,V x 2 kv heads x 16 head_dim x 4 bytes = 512 bytes a slot: 24 slots on rings, 128 full length
     assert f"2 of 2 keep {W} slots; {512 * W} bytes (0.01 MiB) per row at max_seq beside {512 * MAX_SEQ} bytes" in out, out
     assert f"positions up to {POSITIONS} (past max_seq)" in out
+
+
+def test_int8_cache_is_refused_for_rings_before_any_work(artifacts: dict[str, Path]) -> None:
+    """The cpu int8 cache is GroupQueryAttention's, which has no ring: refused with what to do, nothing written."""
+    from kvexport.backends import BuildOptions
+    from kvexport.errors import InputError
+
+    folder = artifacts["mistral"]
+    before = sorted(p.name for p in folder.rglob("*"))
+    with pytest.raises(InputError, match="--kv fp32"):
+        backends.get("cpu").build(folder, mf.read(folder), BuildOptions(kv="int8"), lambda _m: None)
+    assert sorted(p.name for p in folder.rglob("*")) == before

@@ -328,7 +328,12 @@ class CpuSession(Session):
         T = total - S
         logits = state.logits[:, 0, :]
         # a ring takes at most `window` new rows a step (more would overwrite each other): longer ones in pieces
-        for a, b in chunks(S, self.ring.window if self.ring else None):
+        pieces = chunks(S, self.ring.window if self.ring else None)
+        if B > 1 and len(pieces) > 1 and not self.ring.every_layer:  # type: ignore[union-attr]
+            # the full-length layers' GroupQueryAttention takes several new rows over a past at batch 1 only
+            # (ONNX Runtime 1.31): after the first piece a batch goes on one token a step
+            pieces = [pieces[0], *((t, t + 1) for t in range(pieces[0][1], S))]
+        for a, b in pieces:
             logits = self._step(state, input_ids[:, a:b], position_ids[:, a:b], attention_mask[:, :, a:b, : T + b])
         return logits
 
