@@ -465,6 +465,8 @@ def serve(artifact: str, *, host: str = "127.0.0.1", port: int = 8000, max_batch
     sched = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
                       prefill_budget=prefill_budget)
     app = create_app(sched, model_name=name, chat_template=engine_template(engine))
+    how = "in one engine call per decode step" if sched.rows.batched else "one after another (no batching gain)"
+    print(f"kvexport serve: {name}, {sched.max_batch} rows decoded {how}", flush=True)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -29,6 +29,9 @@ OPTIONS = (
            "it is another name for --kv", choices=KV_PRECISIONS, phase="load"),
     Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
            phase="load"),
+    Option("batch_rows", "str", "paged", "how the serving scheduler batches requests: paged (OpenVINO paged "
+           "attention, every row in one infer per decode step) or state (one InferRequest per row, stepped in turn)",
+           choices=("paged", "state"), phase="load"),
     Option("int4_sym", "bool", False, "int4 weights symmetric (NNCF INT4_SYM, no zero points) instead of "
            "INT4_ASYM, optimum-intel's default"),
 )
@@ -222,9 +225,10 @@ class IntelBackend(Backend):
 
         from kvexport_intel import lowering
 
-        unknown = sorted(set(options) - {"kv_precision", "numa_node", "numa_bind", "precision"})
+        unknown = sorted(set(options) - {"kv_precision", "numa_node", "numa_bind", "precision", "batch_rows"})
         if unknown:
-            raise InputError(f"the intel target takes threads=N, precision, kv_precision, numa_node and numa_bind; not {unknown}")
+            raise InputError(f"the intel target takes threads=N, precision, kv_precision, numa_node, numa_bind and "
+                             f"batch_rows; not {unknown}")
         target = manifest.target or {}
         if target.get("backend") != "intel":
             raise ArtifactError(f"{folder} was built for {target.get('backend')!r}, not intel")
@@ -252,7 +256,10 @@ class IntelBackend(Backend):
                  "weights": (target.get("weights") or {}).get("dtype", target["precision"]),
                  "openvino": _openvino_version(), "numa": placement,
                  "fused_attention_layers": lowering.fused_attention_layers(compiled)}
-        return self._session(compiled, manifest, facts)
+        session = self._session(compiled, manifest, facts)
+        session.model_path, session.compile_config = str(xml), config
+        session.batch_rows = str(options.get("batch_rows") or "paged")
+        return session
 
     @staticmethod
     def _session(compiled: Any, manifest: Manifest, facts: dict[str, Any]) -> IntelSession:

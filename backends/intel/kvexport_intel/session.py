@@ -41,9 +41,62 @@ class IntelSession(Session):
         self.facts = facts
         self._pool: list[Any] = []  # reset InferRequests of finished requests: memory does not grow
         self._lock = threading.Lock()
+        # set by the backend's open_session: how to compile the paged-attention form for batched rows
+        self.model_path: str | None = None
+        self.compile_config: dict[str, Any] = {}
+        self.batch_rows = "paged"  # or "state": one InferRequest per row (the load option batch_rows)
+        self._paged: tuple[Any, str | None] | None = None  # (compiled paged model or None, why not)
 
     def describe(self) -> dict[str, Any]:
         return {"cache_policy": "internal", "device": "cpu (OpenVINO)", **self.facts}
+
+    # --- batched rows ------------------------------------------------------------------------
+    def paged_unavailable(self, sliding_window: int | None) -> str | None:
+        """Why this engine's rows cannot run through paged attention (None: they can)."""
+        if self.batch_rows != "paged":
+            return f"batch_rows={self.batch_rows} was asked for"
+        if self.model_path is None:
+            return "this session was not loaded from an artifact"
+        if sliding_window:
+            return ("the model attends within a sliding window, which the IR expresses in its mask and "
+                    "paged attention ignores")
+        if self.facts.get("kv_precision", "f32") != "f32":
+            return (f"the {self.facts.get('kv_precision')} cache: paged attention quantizes its blocks "
+                    "differently from the state the build verified")
+        return None
+
+    def paged_model(self) -> tuple[Any, str | None]:
+        """The paged-attention form of this engine, compiled once per session on first use (None and
+        the reason where the transformation does not give one PagedAttention per layer)."""
+        with self._lock:
+            if self._paged is None:
+                import openvino as ov
+
+                from kvexport_intel.paged import to_paged
+
+                core = ov.Core()
+                model = core.read_model(self.model_path)
+                why, compiled = to_paged(model, self.num_layers), None
+                if why is None:
+                    try:
+                        compiled = core.compile_model(model, "CPU", self.compile_config)
+                    except RuntimeError as e:  # a graph the plugin compiles statefully but not paged
+                        why = f"OpenVINO could not compile the paged model: {str(e).strip().splitlines()[-1]}"
+                self._paged = (compiled, why)
+            return self._paged
+
+    def batched_rows(self, rows: int, sliding_window: int | None) -> Any:
+        why = self.paged_unavailable(sliding_window)
+        compiled = None
+        if why is None:
+            compiled, why = self.paged_model()
+        self.facts["batch_rows"] = "paged attention" if why is None else f"one InferRequest per row: {why}"
+        if compiled is None:
+            return None
+        from kvexport_intel.paged import PagedRows
+
+        return PagedRows(compiled, rows=rows, max_seq=self.max_seq, num_layers=self.num_layers,
+                         vocab_size=self.vocab_size)
 
     # --- state -----------------------------------------------------------------------------
     def new_state(self, batch: int, capacity: int) -> IntelState:

@@ -1,0 +1,157 @@
+"""Batched cache rows on the intel target: OpenVINO's paged attention over block caches the runtime owns.
+
+The artifact's stateful IR keeps each request's K/V in one InferRequest's state, so several rows
+can only be stepped one after another (`StateRows`). OpenVINO's `paged_attention_transformation`
+rewrites that IR's ReadValue -> Gather(beam_idx) -> Concat -> ScaledDotProductAttention pattern
+into PagedAttentionExtension nodes whose K/V caches are plain inputs, `key_cache.{i}` and
+`value_cache.{i}`, laid out in blocks of tokens, (num_blocks, kv_heads, block, head_dim) for an
+f32 cache on the CPU plugin. One infer then runs any set of sequences, each of any length, over
+its own blocks; the per-step inputs describe them, as OpenVINO GenAI's continuous-batching model
+runner fills them:
+
+    input_ids, position_ids   (T,) int64: every scheduled token, sequence after sequence
+    past_lens                 (n,) int32: tokens each sequence already holds in its blocks
+    subsequence_begins        (n+1,) int32: where each sequence's tokens start in input_ids
+    block_indices             (sum of blocks,) int32: each sequence's block table, concatenated
+    block_indices_begins      (n+1,) int32: where each sequence's table starts in block_indices
+    max_context_len           () int32: the longest past + new length of this step
+
+The attention writes each new token's K/V into its sequence's blocks (slot past_len + j of the
+table) and attends causally over the sequence's own tokens; nothing is masked or padded, so an
+idle row costs nothing. The block caches are allocated once (rows x ceil(max_seq / block)
+blocks: a row can never run out) and handed to the request once; a row takes blocks from a free
+list as it grows and returns them when its request retires.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvexport.errors import ContextOverflowError
+from kvexport.runtime.buffers import aligned_zeros
+from kvexport.runtime.rows import Rows
+
+# Inputs of the transformed model that describe the scheduled sequences (GenAI's model runner sets these).
+SEQUENCE_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
+PA_OP = "PagedAttentionExtension"
+
+
+def to_paged(model: Any, num_layers: int) -> str | None:
+    """Apply OpenVINO's SDPA-to-paged-attention transformation to `model` in place; returns why the
+    result cannot serve as batched rows (None: it can). Every attention layer must have become a
+    PagedAttentionExtension, no state may be left, and the inputs must be the ones PagedRows drives."""
+    from openvino._offline_transformations import paged_attention_transformation
+
+    paged_attention_transformation(model)
+    ops = [op.get_type_name() for op in model.get_ordered_ops()]
+    pa = ops.count(PA_OP)
+    if pa != num_layers:
+        return f"paged attention replaced {pa} of {num_layers} attention layers"
+    if "ReadValue" in ops or "Assign" in ops:
+        return "the paged model still keeps state"
+    names = {n for p in model.inputs for n in p.get_names()}
+    need = {"input_ids", "position_ids", *SEQUENCE_INPUTS,
+            *(f"{k}_cache.{i}" for i in range(num_layers) for k in ("key", "value"))}
+    missing = sorted(need - names)
+    if missing:
+        return f"the paged model lacks inputs {missing}"
+    extra = sorted(names - need)
+    if extra:
+        return f"the paged model takes inputs PagedRows does not fill: {extra}"
+    return None
+
+
+class PagedRows(Rows):
+    """`rows` rows over one compiled paged-attention model: one infer per decode step for every running row."""
+
+    batched = True
+
+    def __init__(self, compiled: Any, *, rows: int, max_seq: int, num_layers: int, vocab_size: int):
+        import openvino as ov
+
+        super().__init__(rows, max_seq, None)
+        self.compiled, self.num_layers = compiled, num_layers
+        self.request = compiled.create_infer_request()
+        # tokens per block, as the plugin compiled it: (blocks, kv_heads, block, head_dim) for the value cache
+        # (a u8 key cache appends its per-block scales along that axis, so the key cache does not say it)
+        self.block = int(compiled.input("value_cache.0").get_partial_shape()[2].get_length())
+        self.blocks_per_row = -(-max_seq // self.block)
+        self.num_blocks = rows * self.blocks_per_row
+        self.caches: list[np.ndarray] = []
+        for i in range(num_layers):
+            for kind in ("key", "value"):
+                port = compiled.input(f"{kind}_cache.{i}")
+                shape = (self.num_blocks, *(int(d.get_length()) for d in list(port.get_partial_shape())[1:]))
+                # zeros, not whatever the allocator left (calloc'd pages: resident only once a row writes them)
+                buf = aligned_zeros(shape, port.get_element_type().to_dtype())
+                self.request.set_tensor(f"{kind}_cache.{i}", ov.Tensor(buf, shared_memory=True))
+                self.caches.append(buf)
+        self.unused = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
+        self.tables: list[list[int]] = [[] for _ in range(rows)]
+        self.ids_rank = len(compiled.input("input_ids").get_partial_shape())
+        self.vocab_size = vocab_size
+
+    # --- blocks -----------------------------------------------------------------------------
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def blocks_held(self) -> int:
+        return self.num_blocks - len(self.unused)
+
+    def _grow(self, row: int, slots: int) -> None:
+        table = self.tables[row]
+        while len(table) * self.block < slots:
+            table.append(self.unused.pop())  # never empty: each row may hold blocks_per_row blocks
+
+    def free(self, row: int) -> None:
+        """The row's request retired: its blocks go back to the free list (the next user of a block
+        overwrites it before reading: attention reads only the slots below each row's length)."""
+        self.unused.extend(reversed(self.tables[row]))
+        self.tables[row] = []
+        self.held[row] = 0
+
+    # --- one infer ----------------------------------------------------------------------------
+    def _run(self, rows: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Append counts[k] tokens (ids, concatenated) to each of `rows`; returns logits (T, V)."""
+        past = self.held[rows]
+        for r, h, c in zip(rows, past, counts):
+            self._grow(int(r), int(h + c))
+        pos = np.concatenate([np.arange(h, h + c) for h, c in zip(past, counts)])
+        tables = [self.tables[int(r)] for r in rows]
+        inputs = {
+            "input_ids": np.ascontiguousarray(ids, dtype=np.int64).reshape((-1,) + (1,) * (self.ids_rank - 1)),
+            "position_ids": pos.astype(np.int64).reshape((-1,) + (1,) * (self.ids_rank - 1)),
+            "past_lens": past.astype(np.int32),
+            "subsequence_begins": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+            "block_indices": np.concatenate([np.asarray(t, dtype=np.int32) for t in tables]),
+            "block_indices_begins": np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int32),
+            "max_context_len": np.array(int((past + counts).max()), dtype=np.int32),
+        }
+        self.request.infer(inputs, share_inputs=True, share_outputs=True)
+        self.held[rows] = past + counts
+        return self.request.get_output_tensor(0).data.reshape(-1, self.vocab_size)  # (T, V)
+
+    # --- rows ---------------------------------------------------------------------------------
+    def reset(self, row: int, capacity: int) -> None:
+        if capacity > self.max_seq:
+            raise ContextOverflowError(f"a request of {capacity} slots exceeds max_seq={self.max_seq}")
+        self.free(row)
+
+    def extend(self, row: int, ids: np.ndarray) -> np.ndarray:
+        S = len(ids)
+        self._check(row, S)
+        logits = self._run(np.array([row]), np.asarray(ids), np.array([S]))
+        return logits[-1]
+
+    def decode(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        for r in rows:
+            self._check(int(r), 1)
+        return self._run(rows, np.asarray(tokens), np.ones(len(rows), dtype=np.int64))
+
+    def release(self) -> None:
+        for i in range(self.rows):
+            self.free(i)
+        self.caches = []
+        self.request = None
