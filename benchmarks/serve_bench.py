@@ -10,6 +10,7 @@ Starts one server on the artifact and, in the same run:
    transport errors, RSS (from /metrics) after warm-up, running rows and queue depth at the end.
 
     python benchmarks/serve_bench.py out/bench.kvx --threads 2 --soak 2000 --json out/serve_bench.json
+    python benchmarks/serve_bench.py out/bench-intel.kvx --option batch_rows=state --against batch_rows=paged
 """
 from __future__ import annotations
 
@@ -43,12 +44,13 @@ def free_port() -> int:
 
 
 def start_server(artifact: str, threads: int, max_batch: int, max_queue: int, log: Path,
-                 prefill_budget: int | None = None) -> tuple[Any, str]:
+                 prefill_budget: int | None = None, options: list[str] = ()) -> tuple[Any, str]:
     port = free_port()
     budget = [] if prefill_budget is None else ["--prefill-budget", str(prefill_budget)]
     proc = subprocess.Popen([sys.executable, "-m", "kvexport", "serve", artifact, "--port", str(port),
                              "--threads", str(threads), "--max-batch", str(max_batch), "--max-queue", str(max_queue),
-                             *budget], stdout=log.open("w"), stderr=subprocess.STDOUT)
+                             *budget, *(a for o in options for a in ("--option", o))],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -100,39 +102,48 @@ def stream_one(url: str, prompt: str, tokens: int) -> dict[str, Any]:
     return {"start": t0, "arrivals": arrivals, "tokens": n}
 
 
-def concurrency(url: str, clients: int, tokens: int, rounds: int, prompt_words: int) -> dict[str, Any]:
+def concurrency(urls: list[str], clients: int, tokens: int, rounds: int, prompt_words: int) -> list[dict[str, Any]]:
+    """Rounds of one stream then `clients` streams, on each server in turn within a round (so several
+    servers are compared in the same run, under the same load)."""
     rng = random.Random(0)
     prompts = [prompt_text(rng, prompt_words) for _ in range(clients)]
-    stream_one(url, prompts[0], 8)  # warm-up
-    rows = []
+    for url in urls:
+        stream_one(url, prompts[0], 8)  # warm-up
+    per_server: list[list[dict[str, Any]]] = [[] for _ in urls]
     for rnd in range(rounds):
-        single = stream_one(url, prompts[0], tokens)
-        with ThreadPoolExecutor(clients) as pool:
-            many = list(pool.map(lambda p: stream_one(url, p, tokens), prompts))
+        for k, url in enumerate(urls):
+            per_server[k].append(one_round(url, prompts, tokens, rnd, f"server {k} " if len(urls) > 1 else ""))
+    return [{"clients": clients, "tokens": tokens, "prompt_words": prompt_words, "rounds": rows,
+             "median_throughput_ratio": statistics.median(r["throughput_ratio"] for r in rows),
+             "median_itl_ratio": statistics.median(r["itl_ratio"] for r in rows)} for rows in per_server]
 
-        def decode_rate(runs: list[dict[str, Any]]) -> float:
-            # tokens after each stream's first, over the span from the first first-token to the last token
-            first = min(r["arrivals"][0] for r in runs)
-            last = max(r["arrivals"][-1] for r in runs)
-            return sum(r["tokens"] - 1 for r in runs) / (last - first)
 
-        def gaps(runs: list[dict[str, Any]]) -> list[float]:
-            return [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+def one_round(url: str, prompts: list[str], tokens: int, rnd: int, label: str) -> dict[str, Any]:
+    clients = len(prompts)
+    single = stream_one(url, prompts[0], tokens)
+    with ThreadPoolExecutor(clients) as pool:
+        many = list(pool.map(lambda p: stream_one(url, p, tokens), prompts))
 
-        s_rate, m_rate = decode_rate([single]), decode_rate(many)
-        s_itl, m_itl = statistics.median(gaps([single])), statistics.median(gaps(many))
-        s_ttft = single["arrivals"][0] - single["start"]
-        m_ttft = statistics.median(r["arrivals"][0] - r["start"] for r in many)
-        rows.append({"round": rnd, "single_tok_s": s_rate, "many_tok_s": m_rate, "throughput_ratio": m_rate / s_rate,
-                     "single_itl_ms": 1e3 * s_itl, "many_itl_ms": 1e3 * m_itl, "itl_ratio": m_itl / s_itl,
-                     "single_ttft_ms": 1e3 * s_ttft, "many_median_ttft_ms": 1e3 * m_ttft,
-                     "tokens": [r["tokens"] for r in many]})
-        print(f"round {rnd}: 1 stream {s_rate:.1f} tok/s, ITL {1e3 * s_itl:.1f} ms | {clients} streams "
-              f"{m_rate:.1f} tok/s ({m_rate / s_rate:.2f}x), median ITL {1e3 * m_itl:.1f} ms ({m_itl / s_itl:.2f}x)",
-              flush=True)
-    return {"clients": clients, "tokens": tokens, "prompt_words": prompt_words, "rounds": rows,
-            "median_throughput_ratio": statistics.median(r["throughput_ratio"] for r in rows),
-            "median_itl_ratio": statistics.median(r["itl_ratio"] for r in rows)}
+    def decode_rate(runs: list[dict[str, Any]]) -> float:
+        # tokens after each stream's first, over the span from the first first-token to the last token
+        first = min(r["arrivals"][0] for r in runs)
+        last = max(r["arrivals"][-1] for r in runs)
+        return sum(r["tokens"] - 1 for r in runs) / (last - first)
+
+    def gaps(runs: list[dict[str, Any]]) -> list[float]:
+        return [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+
+    s_rate, m_rate = decode_rate([single]), decode_rate(many)
+    s_itl, m_itl = statistics.median(gaps([single])), statistics.median(gaps(many))
+    s_ttft = single["arrivals"][0] - single["start"]
+    m_ttft = statistics.median(r["arrivals"][0] - r["start"] for r in many)
+    print(f"{label}round {rnd}: 1 stream {s_rate:.1f} tok/s, ITL {1e3 * s_itl:.1f} ms | {clients} streams "
+          f"{m_rate:.1f} tok/s ({m_rate / s_rate:.2f}x), median ITL {1e3 * m_itl:.1f} ms ({m_itl / s_itl:.2f}x)",
+          flush=True)
+    return {"round": rnd, "single_tok_s": s_rate, "many_tok_s": m_rate, "throughput_ratio": m_rate / s_rate,
+            "single_itl_ms": 1e3 * s_itl, "many_itl_ms": 1e3 * m_itl, "itl_ratio": m_itl / s_itl,
+            "single_ttft_ms": 1e3 * s_ttft, "many_median_ttft_ms": 1e3 * m_ttft,
+            "tokens": [r["tokens"] for r in many]}
 
 
 def soak(url: str, requests: int, clients: int, cancel: float, words: tuple[int, ...] = (4, 12, 32, 64),
@@ -211,18 +222,40 @@ def main() -> int:
     ap.add_argument("--soak-clients", type=int, default=16)
     ap.add_argument("--soak-prompt-words", default="4,12,32,64", help="prompt lengths (words) the soak mixes")
     ap.add_argument("--cancel", type=float, default=0.05, help="fraction of soak requests dropped mid-stream")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="backend load option for the server (repeatable), as `kvexport serve --option`")
+    ap.add_argument("--against", action="append", default=[], metavar="KEY=VALUE",
+                    help="also start a second server with these load options added (repeatable); the concurrency "
+                         "rounds alternate between the two and report the second's rates over the first's")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     log = Path(a.json or "serve_bench.json").with_suffix(".server.log")
-    proc, url = start_server(a.artifact, a.threads, a.max_batch, 256, log, a.prefill_budget)
+    procs = []
+    proc, url = start_server(a.artifact, a.threads, a.max_batch, 256, log, a.prefill_budget, a.option)
+    procs.append(proc)
+    urls = [url]
     result: dict[str, Any] = {"artifact": a.artifact, "threads": a.threads, "max_batch": a.max_batch,
-                              "prefill_budget": a.prefill_budget,
+                              "prefill_budget": a.prefill_budget, "options": a.option,
                               "cpu": cpu_info()["model"], "cores": os.cpu_count()}
     try:
+        if a.against:
+            other, other_url = start_server(a.artifact, a.threads, a.max_batch, 256, log.with_suffix(".against.log"),
+                                            a.prefill_budget, [*a.option, *a.against])
+            procs.append(other)
+            urls.append(other_url)
         if a.rounds:
-            result["concurrency"] = concurrency(url, a.clients, a.tokens, a.rounds, a.prompt_words)
-            print(f"median over rounds: throughput {result['concurrency']['median_throughput_ratio']:.2f}x, "
-                  f"inter-token latency {result['concurrency']['median_itl_ratio']:.2f}x", flush=True)
+            runs = concurrency(urls, a.clients, a.tokens, a.rounds, a.prompt_words)
+            result["concurrency"] = runs[0]
+            for name, run in zip(("server", "against"), runs):
+                print(f"{name}: median over rounds: throughput {run['median_throughput_ratio']:.2f}x, "
+                      f"inter-token latency {run['median_itl_ratio']:.2f}x", flush=True)
+            if a.against:
+                first, second = runs[0]["rounds"], runs[1]["rounds"]
+                paired = {k: statistics.median(b[k] / f[k] for f, b in zip(first, second))
+                          for k in ("single_tok_s", "many_tok_s", "single_itl_ms", "many_itl_ms")}
+                result["against"] = {"options": a.against, **runs[1], "median_paired_ratio": paired}
+                print(f"against {a.against} over the first server, median of paired rounds: "
+                      + ", ".join(f"{k} {v:.2f}x" for k, v in paired.items()), flush=True)
         if a.soak:
             result["soak"] = s = soak(url, a.soak, a.soak_clients, a.cancel,
                                           tuple(int(w) for w in a.soak_prompt_words.split(",")))
@@ -230,12 +263,15 @@ def main() -> int:
                   f"RSS spread after warm-up {100 * (s['rss_spread_after_warmup'] or 0):.1f}%, running rows at the end "
                   f"{s['running_rows_end']:.0f}, queue {s['queue_depth_end']:.0f}", flush=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            result["server_exit"] = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            result["server_exit"] = "killed"
+        exits = []
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+            try:
+                exits.append(p.wait(60))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                exits.append("killed")
+        result["server_exit"] = exits[0] if len(exits) == 1 else exits
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
     return 0
