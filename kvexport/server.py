@@ -3,7 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (plain, or server-sent events with
 `stream: true`), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
 Faults: a full queue answers 429 with Retry-After; a bad request 400 naming the field (`param`);
-a request longer than max_seq is refused before it is queued; a client that disconnects frees
+a request longer than the model's context (max_seq) is refused before it is queued; a client that disconnects frees
 its row at the scheduler's next step; SIGTERM stops admission, lets running requests finish, then
 exits. See docs/serving.md.
 """
@@ -291,11 +291,11 @@ def create_app(scheduler: Scheduler, *, model_name: str, chat_template: Any = No
         return body
 
     def submit(ids: list[int], p: Params, param: str, sink: Any) -> Any:
-        room = engine.max_seq - len(ids)
+        room = engine.limit - len(ids)  # max_seq, or past it where every layer slides on a ring
         max_tokens = p.max_tokens if p.max_tokens is not None else room
         if room < 1 or max_tokens > room:
             field = param if room < 1 or p.max_tokens is None else "max_tokens"
-            raise ApiError(400, f"{field}: this model's maximum context length is {engine.max_seq} tokens; the "
+            raise ApiError(400, f"{field}: this model's maximum context length is {engine.limit} tokens; the "
                            f"request has {len(ids)} prompt tokens and asks for {max_tokens} more", param=field,
                            code="context_length_exceeded")
         try:
@@ -430,7 +430,7 @@ def create_app(scheduler: Scheduler, *, model_name: str, chat_template: Any = No
     @app.get("/v1/models")
     async def models() -> Any:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "kvexport", "max_model_len": engine.max_seq}]}
+                                            "owned_by": "kvexport", "max_model_len": engine.limit}]}
 
     @app.get("/health")
     async def health() -> Any:
