@@ -358,13 +358,13 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from kvexport.bench import check_comparable, format_report, parse_prompt_lens, rss_mb, run_bench
-
-    # bad arguments are refused before any engine is loaded
+    # bad arguments are refused before any engine is loaded, and before kvexport.bench imports torch
     if a.rounds < 1:
         raise InputError(f"--rounds must be at least 1, got {a.rounds}")
     if a.reference is not None and not Path(a.reference).is_dir():
         raise InputError(f"--reference {a.reference} is not a checkpoint folder")
+    from kvexport.bench import check_comparable, format_report, parse_prompt_lens, rss_mb, run_bench
+
     prompts = parse_prompt_lens(a.prompts)
     check_comparable(Path(a.artifact), [Path(p) for p in a.compare])
     rss0 = rss_mb()
