@@ -66,8 +66,9 @@ def linear_shapes(cfg: DecoderConfig) -> list[tuple[int, int]]:
     mlp_in = (2 if cfg.mlp_kind == "gated" else 1) * cfg.intermediate_size
     attn = [(h, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, h)]
     mlp = [(h, mlp_in), (cfg.intermediate_size, h)]
-    # a routed layer: the router, then every expert's gate|up and down (the dense form reads them all)
-    moe = [(h, cfg.num_experts)] + [(h, 2 * cfg.moe_intermediate_size), (cfg.moe_intermediate_size, h)] * cfg.num_experts
+    # a routed layer: the router, then the chosen experts' gate|up and down (at decode the cpu engine reads
+    # only the top k of them: MoeMlp's gathered form, or ONNX Runtime's MoE kernel that it is lowered to)
+    moe = [(h, cfg.num_experts)] + [(h, 2 * cfg.moe_intermediate_size), (cfg.moe_intermediate_size, h)] * cfg.num_experts_per_tok
     layers = [s for i in range(cfg.num_hidden_layers) for s in attn + (moe if cfg.is_moe_layer(i) else mlp)]
     return layers + [(h, cfg.vocab_size)]
 

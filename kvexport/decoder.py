@@ -402,31 +402,61 @@ class MoeMlp(nn.Module):
     """Top-k routed gated experts (Mixtral, Qwen3-MoE): softmax over the router's logits, the top k kept
     (renormalised to sum to 1 where `norm_topk_prob`), every other expert's weight exactly 0.
 
-    Dense form: every expert runs on every token (one batched MatMul per projection) and the outputs are
-    summed under a (tokens, experts) routing matrix scattered from TopK. Exact and plain ONNX (Softmax, TopK,
-    ScatterElements, MatMul), but it reads every expert's weights and spends E/k times the expert FLOPs of a
-    gathered form.
+    Two exact forms of the same sum, chosen by the step's (token, expert) pairs T*k against the E experts:
+    - gathered (T*k < E: decode): Gather the chosen experts' weights, (T, k, h, 2I) and (T, k, I, h), and run
+      them as one batched MatMul each: a token reads its k experts, not all E (plus the copy the Gather makes,
+      which is why prefill does not use it: T*k copies of an expert's matrices).
+    - dense (prefill): every expert on every token (one batched MatMul per projection), summed under a
+      (T, E) routing matrix scattered from TopK that is 0 outside the top k.
+    Traced with a symbolic token count (torch.export, the ONNX IR), both forms go in the graph under one
+    torch.cond (an ONNX If on T*k < E); a run with concrete shapes (eager, TorchScript tracing) takes one.
+    Plain ONNX either way: Softmax, TopK, ScatterElements, Gather, MatMul, If.
     """
+
+    Form = Literal["auto", "dense", "gathered"]
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         E, I, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.top_k, self.renormalise, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, E
         self.router = nn.Linear(h, E, bias=False)
         self.gate_up = nn.Parameter(torch.empty(E, h, 2 * I))  # per expert x @ gate_up[e] -> [gate, up]
         self.down = nn.Parameter(torch.empty(E, I, h))
         self.act = ACTIVATION_FNS[cfg.activation]
+        self.form: MoeMlp.Form = "auto"  # "dense" / "gathered" force one (benchmarks, tests)
 
     def forward(self, x: Tensor) -> Tensor:
-        probs = self.router(x).float().softmax(dim=-1)  # (B, S, E)
-        top, chosen = probs.topk(self.top_k, dim=-1)  # (B, S, k)
+        B, S, h = x.shape
+        x = x.reshape(B * S, h)  # (T, h)
+        probs = self.router(x).float().softmax(dim=-1)  # (T, E)
+        top, chosen = probs.topk(self.top_k, dim=-1)  # (T, k)
         if self.renormalise:
             top = top / top.sum(dim=-1, keepdim=True)
-        # (B, S, E): 0 outside the top k. probs * 0, not zeros_like, which exports as an Expand of a constant
+        # (T, E): 0 outside the top k. probs * 0, not zeros_like, which exports as an Expand of a constant.
+        # Made here, as the weights' dtype, so neither branch holds a Cast (a precision pass sees them all)
         route = (probs * 0).scatter(-1, chosen, top).to(x.dtype)
-        gate, up = torch.matmul(x.unsqueeze(1), self.gate_up).chunk(2, dim=-1)  # (B, E, S, I) each
-        y = torch.matmul(self.act(gate) * up, self.down)  # (B, E, S, h)
-        return (y * route.transpose(1, 2).unsqueeze(-1)).sum(dim=1)  # (B, S, h)
+        args = (x, route, top.to(x.dtype), chosen)
+        T = x.shape[0]
+        if self.form != "auto":
+            y = self.dense(*args) if self.form == "dense" else self.gathered(*args)
+        elif isinstance(T, torch.SymInt):
+            y = torch.cond(T * self.top_k < self.num_experts, self.gathered, self.dense, args)
+        else:
+            y = self.gathered(*args) if T * self.top_k < self.num_experts else self.dense(*args)
+        return y.view(B, S, h)
+
+    def dense(self, x: Tensor, route: Tensor, top: Tensor, chosen: Tensor) -> Tensor:
+        # x as (1, 1, T, h): OpenVINO's CPU plugin takes this broadcast, not a 2-D or (1, T, h) one by (E, h, 2I)
+        gate, up = torch.matmul(x[None, None], self.gate_up).chunk(2, dim=-1)  # (1, E, T, I) each
+        y = torch.matmul(self.act(gate) * up, self.down)  # (1, E, T, h)
+        return (y * route.t().unsqueeze(-1)).sum(dim=1)[0]  # (T, h)
+
+    def gathered(self, x: Tensor, route: Tensor, top: Tensor, chosen: Tensor) -> Tensor:
+        T, h = x.shape
+        xs = x.view(T, 1, 1, h)
+        gate, up = torch.matmul(xs, self.gate_up[chosen]).chunk(2, dim=-1)  # (T, k, 1, I) each
+        y = torch.matmul(self.act(gate) * up, self.down[chosen])  # (T, k, 1, h)
+        return (y.squeeze(2) * top.unsqueeze(-1)).sum(dim=1)  # (T, h)
 
 
 class Attention(nn.Module):

@@ -5,7 +5,7 @@ import hashlib
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,6 +189,7 @@ def export_onnx(
     del program
     model = onnx.load(str(path), load_external_data=False)
     finalize_graph(model, ck.config.model_type)
+    share_branch_copies(model, out)
     weights = weight_map(model, dec, out)
     lost = [n for n, _ in dec.named_parameters() if n not in weights]
     if lost:  # the IR still runs; only backends that rebuild the decoder from it (decoder_from_ir) refuse it
@@ -247,10 +248,46 @@ def finalize_graph(model: onnx.ModelProto, model_type: str) -> None:
         taken.add(new)
         renames[init.name] = new
         init.name = new
-    for node in model.graph.node:
+    for node in _nodes_and_branches(model.graph):  # an If's branches read outer initializers by name too
         for slot, name in enumerate(node.input):
             if name in renames:
                 node.input[slot] = renames[name]
+
+
+def _nodes_and_branches(g: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """g's nodes, then those of every graph nested in them (an If's then/else branches)."""
+    for node in g.node:
+        yield node
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes_and_branches(a.g)
+
+
+def share_branch_copies(model: onnx.ModelProto, folder: Path) -> int:
+    """An If branch (MoeMlp's gathered form) may read a weight through a copy the exporter made of it, under a
+    `val_*` name (seen: qwen3_moe's expert down weights). Point the branch at the original and drop the copy.
+    Its bytes stay in the external-data file, unreferenced; returns how many copies were dropped."""
+    g = model.graph
+    top = {i for n in g.node for i in n.input}
+    if not any(a.type == onnx.AttributeProto.GRAPH for n in g.node for a in n.attribute):
+        return 0
+    copies = [t for t in g.initializer if t.name.startswith("val_") and t.name not in top and len(t.dims) >= 2]
+    originals = [t for t in g.initializer if not t.name.startswith("val_")]
+    renames: dict[str, str] = {}
+    for c in copies:
+        data = _init_bytes(c, folder)
+        same = next((o for o in originals if o.data_type == c.data_type and list(o.dims) == list(c.dims)
+                     and _init_bytes(o, folder) == data), None)
+        if same is not None:
+            renames[c.name] = same.name
+    for n in _nodes_and_branches(g):
+        for i, name in enumerate(n.input):
+            if name in renames:
+                n.input[i] = renames[name]
+    kept = [t for t in g.initializer if t.name not in renames]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    return len(renames)
 
 
 def _scope_of(node: onnx.NodeProto) -> str:

@@ -3,8 +3,8 @@
 The embedded default model (`kvexport build` with no MODEL_DIR): a small Llama-style model trained
 on the Python standard library's sources, shipped in kvexport/default_model (see
 docs/default-model.md). Seeded random-init tiny configs of every registered family (tests) and
-`bench-125m` and `bench-1b` (benchmarks). Every checkpoint gets a byte-level tokenizer that decodes every id of
-its vocabulary to text.
+`bench-125m`, `bench-1b` and the mixture-of-experts `bench-moe` (mixtral) and `bench-qwen3-moe` (benchmarks).
+Every checkpoint gets a byte-level tokenizer that decodes every id of its vocabulary to text.
 """
 from __future__ import annotations
 
@@ -114,8 +114,25 @@ BENCH_1B: dict[str, Any] = {
     "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 }
+# Mixture-of-experts decode speed (issue 13): 1.10B parameters in all, top-2 of 8 experts of width 1024 per layer
+# (about 0.44B read per decoded token), one per routed family
+BENCH_MOE: dict[str, Any] = {
+    "model_type": "mixtral", "hidden_size": 2048, "intermediate_size": 1024, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+}
+BENCH_QWEN3_MOE: dict[str, Any] = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 1024,
+    "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 64, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "hidden_act": "silu", "use_sliding_window": False, "tie_word_embeddings": False, "bos_token_id": 1,
+    "eos_token_id": 2, "pad_token_id": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+}
 # shards a named model is written in unless --shard-mb says otherwise (bench-1b: ~4.9 GB fp32 in 5)
-DEFAULT_SHARD_BYTES: dict[str, int] = {"bench-1b": 2**30}
+DEFAULT_SHARD_BYTES: dict[str, int] = {"bench-1b": 2**30, "bench-moe": 2**30, "bench-qwen3-moe": 2**30}
 
 # The embedded default: trained weights (kvexport/default_model), built in seconds.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
@@ -126,6 +143,8 @@ _DEFAULT_FILES = ("tokenizer.json", "tokenizer_config.json", HELDOUT_FILE)
 NAMED_MODELS: dict[str, dict[str, Any]] = {
     "bench-125m": BENCH_125M,
     "bench-1b": BENCH_1B,
+    "bench-moe": BENCH_MOE,
+    "bench-qwen3-moe": BENCH_QWEN3_MOE,
     "default": DEFAULT_MODEL,
     **{f"tiny-{k}": v for k, v in TINY_CONFIGS.items()},
 }

@@ -26,6 +26,9 @@ def test_linear_shapes_cover_every_weight_matrix_of_the_checkpoint(family: str, 
     read = sum(t.size for name, t in tensors.items() if t.ndim == 2 and not any(name.endswith(g) for g in gathered))
     if cfg.tie_word_embeddings:  # the lm_head is the embedding table, read whole
         read += cfg.vocab_size * cfg.hidden_size
+    # a routed layer's step reads its top k experts (gate, up, down each), not the other E - k
+    unread = cfg.num_experts - cfg.num_experts_per_tok
+    read -= sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) * unread * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     assert sum(k * n for k, n in linear_shapes(cfg)) == read
 
 

@@ -116,7 +116,7 @@ class CpuBackend(_Backend):
         t0 = time.perf_counter()
         ir = folder / manifest.raw["ir"]["file"]
         model = onnx.load(str(ir), load_external_data=False)  # weights stay in model.onnx.data
-        fused = lower_for_onnxruntime(model)
+        fused = lower_for_onnxruntime(model, manifest.config)
         kv = None
         if kv_mode == "int8":
             kv = build_int8_cache(model, folder, manifest, options.calibration_text,
@@ -128,8 +128,9 @@ class CpuBackend(_Backend):
                                  providers=["CPUExecutionProvider"])
         finally:
             staged.unlink(missing_ok=True)
+        moe = f", {fused['fused_moe_layers']} routed layers in ONNX Runtime's MoE kernel" if "fused_moe_layers" in fused else ""
         progress(f"optimized in {time.perf_counter() - t0:.1f}s ({fused['fused_attention_layers']} attention "
-                 f"layers fused, {fused['fused_skip_norms']} residual adds folded into their RMS norms)")
+                 f"layers fused, {fused['fused_skip_norms']} residual adds folded into their RMS norms{moe})")
         quant = None
         if precision in CPU_BITS:
             from kvexport.backends.cpu_quant import quantize_engine

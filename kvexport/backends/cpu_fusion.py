@@ -1,6 +1,7 @@
 """cpu engine lowering: the IR's TensorScatter + Attention per layer -> ONNX Runtime's fused
 GroupQueryAttention (com.microsoft), writing the shared past/present buffer in place; each
-residual Add + RMSNormalization -> SkipSimplifiedLayerNormalization.
+residual Add + RMSNormalization -> SkipSimplifiedLayerNormalization; each routed mixture-of-experts
+layer (router, TopK, the If between MoeMlp's gathered and dense forms) -> com.microsoft MoE.
 
 The IR stays standard ONNX; only the cpu engine graph (engine/model.opt.onnx) carries the contrib
 op. Semantics are kept exactly: each layer's bool mask (the IR's input, or a sliding-window layer's
@@ -11,16 +12,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
+
+from kvexport.config import DecoderConfig
 
 MASKED = -1e30  # finite: a row that masks everything but itself never meets -inf - -inf
 
 
-def lower_for_onnxruntime(model: onnx.ModelProto) -> dict[str, int]:
-    """Every rewrite of the cpu engine graph, in order; returns what each did (for the manifest)."""
-    return {"fused_attention_layers": fuse_group_query_attention(model),
+def lower_for_onnxruntime(model: onnx.ModelProto, config: DecoderConfig | None = None) -> dict[str, int]:
+    """Every rewrite of the cpu engine graph, in order; returns what each did (for the manifest).
+
+    A mixture-of-experts config with silu experts and renormalised top-k weights (mixtral; qwen3_moe with
+    norm_topk_prob) also runs its routed layers in ONNX Runtime's MoE kernel. Without renormalisation the
+    kernel alone matches MoeMlp, but inside the whole decoder graph ONNX Runtime 1.31.1 returned other
+    numbers (tiny qwen3_moe: max |dlogit| 0.9 against the IR; exposing the kernel's input or output as a
+    graph output made it exact again), so those layers keep the IR's forms."""
+    done = {"fused_attention_layers": fuse_group_query_attention(model),
             "fused_skip_norms": fuse_skip_rms_norm(model)}
+    if config is not None and config.num_experts:
+        lowerable = config.activation == "silu" and config.norm_topk_prob
+        done["fused_moe_layers"] = fuse_moe(model, config.num_experts_per_tok, True) if lowerable else 0
+    return done
 
 
 def _producers(g: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -192,12 +206,121 @@ def _splice(model: onnx.ModelProto, replace: Mapping[int, onnx.NodeProto | list[
 
 
 def _drop_dead(g: onnx.GraphProto) -> None:
-    """Remove nodes whose outputs nothing reads (the old head split/merge Transposes and Reshapes)."""
+    """Remove nodes whose outputs nothing reads (the old head split/merge Transposes and Reshapes); what an
+    If's branches read from this graph counts as read."""
     outputs = {o.name for o in g.output}
     while True:
         used = {i for n in g.node for i in n.input} | outputs
+        used |= {r for n in g.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH for r in _outer_refs(a.g)}
         keep = [n for n in g.node if any(o in used for o in n.output)]
         if len(keep) == len(g.node):
             return
         del g.node[:]
         g.node.extend(keep)
+
+
+# --- mixture of experts -> com.microsoft MoE -------------------------------------------------
+def moe_relayout(prefix: str, gate_up: str, down: str, num_experts: int, hidden: int,
+                 width: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str, str]:
+    """Nodes that turn MoeMlp's (E, h, 2I) gate|up and (E, I, h) down into the MoE kernel's fc1 (E, 2I, h),
+    each gate row followed by its up row (swiglu_fusion=1: interleaved), and fc2 (E, h, I). Every input is
+    an initializer, so the session's constant folding does it once, at build time."""
+    E, h, I = num_experts, hidden, width
+    shapes = {"split": [E, h, 2, I], "fc1": [E, 2 * I, h]}
+    inits = [helper.make_tensor(f"{prefix}/{k}_shape", TensorProto.INT64, [len(v)], v) for k, v in shapes.items()]
+    fc1, fc2 = f"{prefix}/fc1", f"{prefix}/fc2"
+    nodes = [
+        helper.make_node("Reshape", [gate_up, f"{prefix}/split_shape"], [f"{prefix}/gate_up4"]),  # (E, h, 2, I)
+        helper.make_node("Transpose", [f"{prefix}/gate_up4"], [f"{prefix}/gate_up_t"], perm=[0, 3, 2, 1]),  # (E, I, 2, h)
+        helper.make_node("Reshape", [f"{prefix}/gate_up_t", f"{prefix}/fc1_shape"], [fc1]),  # (E, 2I, h)
+        helper.make_node("Transpose", [down], [fc2], perm=[0, 2, 1]),  # (E, h, I)
+    ]
+    return nodes, inits, fc1, fc2
+
+
+def moe_node(x: str, logits: str, fc1: str, fc2: str, y: str, *, top_k: int, renormalise: bool,
+             name: str) -> onnx.NodeProto:
+    """ONNX Runtime's fused MoE over router logits (T, E): softmax, top k (renormalised where asked),
+    silu(x @ gate) * (x @ up) @ down per chosen expert, weighted sum; alpha 1, beta 0 and no clamp make its
+    SwiGLU plain silu gating."""
+    return helper.make_node("MoE", [x, logits, fc1, "", fc2], [y], name=name, domain="com.microsoft", k=top_k,
+                            activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=int(renormalise),
+                            activation_alpha=1.0, activation_beta=0.0, swiglu_limit=float("inf"))
+
+
+def moe_op_model(router_t: np.ndarray, gate_up: np.ndarray, down: np.ndarray, *, top_k: int,
+                 renormalise: bool) -> onnx.ModelProto:
+    """One routed layer as a model x (B, S, h) -> y through the MoE kernel: the router's (h, E) MatMul, then
+    MoE (benchmarks/moe_layer.py times it beside the plain-ONNX forms)."""
+    E, h, I = gate_up.shape[0], gate_up.shape[1], gate_up.shape[2] // 2
+    relayout, inits, fc1, fc2 = moe_relayout("moe", "gate_up", "down", E, h, I)
+    nodes = [helper.make_node("MatMul", ["x", "router"], ["logits3"]),
+             helper.make_node("Reshape", ["logits3", "moe/logits_shape"], ["logits"]),
+             *relayout, moe_node("x", "logits", fc1, fc2, "y", top_k=top_k, renormalise=renormalise, name="moe")]
+    inits += [helper.make_tensor("moe/logits_shape", TensorProto.INT64, [2], [-1, E]),
+              numpy_helper.from_array(np.ascontiguousarray(router_t, np.float32), "router"),
+              numpy_helper.from_array(np.ascontiguousarray(gate_up, np.float32), "gate_up"),
+              numpy_helper.from_array(np.ascontiguousarray(down, np.float32), "down")]
+    graph = helper.make_graph(nodes, "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", h])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", h])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+                             ir_version=10)
+
+
+def _outer_refs(g: onnx.GraphProto) -> set[str]:
+    """Names a subgraph reads from its enclosing scopes (nested subgraphs included)."""
+    made = {o for n in g.node for o in n.output} | {t.name for t in g.initializer} | {i.name for i in g.input}
+    refs = {i for n in g.node for i in n.input if i}
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                refs |= _outer_refs(a.g)
+    return refs - made
+
+
+def fuse_moe(model: onnx.ModelProto, top_k: int, renormalise: bool) -> int:
+    """Each routed layer of the IR (router -> Softmax -> TopK, then the If that picks MoeMlp's gathered
+    or dense form) -> one com.microsoft MoE node on the router's logits, with its weights laid out for the
+    kernel. Returns how many layers were fused; a graph without the pattern is left as it is."""
+    g = model.graph
+    prod = _producers(g)
+    inits = {t.name: t for t in g.initializer}
+    ifs = [n for n in g.node if n.op_type == "If"]
+    refs = {id(n): _outer_refs(n.attribute[0].g) | _outer_refs(n.attribute[1].g) for n in ifs}
+    replace: dict[int, onnx.NodeProto] = {}
+    extra_nodes: list[onnx.NodeProto] = []
+    for topk in (n for n in g.node if n.op_type == "TopK"):
+        soft = prod.get(topk.input[0])
+        src = prod.get(soft.input[0]) if soft is not None and soft.op_type == "Softmax" else None
+        if src is not None and src.op_type == "Cast":
+            src = prod.get(src.input[0])
+        # the router: x (T, h) @ (h, E), or as the exporter writes a 2-D Linear, Gemm(x, (E, h), transB=1)
+        gemm = src is not None and src.op_type == "Gemm" and len(src.input) == 2 and _attr(src, "transB") == 1 \
+            and _attr(src, "transA") in (None, 0) and _attr(src, "alpha") in (None, 1.0)
+        if src is None or not (gemm or src.op_type == "MatMul") or src.input[1] not in inits:
+            continue
+        E = int(inits[src.input[1]].dims[0 if gemm else 1])
+        # the If reading this TopK's chosen experts, and the two 3-D expert tensors its branches read
+        owner = next((n for n in ifs if topk.output[1] in refs[id(n)] or topk.output[0] in refs[id(n)]), None)
+        if owner is None or id(owner) in replace:
+            continue
+        experts = [inits[r] for r in sorted(refs[id(owner)]) if r in inits and len(inits[r].dims) == 3
+                   and int(inits[r].dims[0]) == E]
+        gate_up = next((t for t in experts if int(t.dims[2]) % 2 == 0 and any(
+            int(d.dims[1]) * 2 == int(t.dims[2]) and int(d.dims[2]) == int(t.dims[1]) for d in experts)), None)
+        down = next((d for d in experts if gate_up is not None and int(d.dims[1]) * 2 == int(gate_up.dims[2])
+                     and int(d.dims[2]) == int(gate_up.dims[1])), None)
+        if gate_up is None or down is None:
+            continue
+        scope = owner.name.rsplit("/", 1)[0] if "/" in owner.name else f"moe{len(replace)}"
+        nodes, shapes, fc1, fc2 = moe_relayout(f"{scope}/moe", gate_up.name, down.name, E,
+                                               int(gate_up.dims[1]), int(down.dims[1]))
+        g.initializer.extend(shapes)
+        extra_nodes += nodes
+        replace[id(owner)] = moe_node(src.input[0], src.output[0], fc1, fc2, owner.output[0], top_k=top_k,
+                                      renormalise=renormalise, name=f"{scope}/MoE_0")
+    if not replace:
+        return 0
+    _splice(model, replace, set(), prepend=extra_nodes)
+    _drop_dead(g)
+    return len(replace)

@@ -11,6 +11,7 @@ which is how the tests hold them to the reference.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,6 +38,9 @@ PARSER_OPS = frozenset({
     "Reshape", "RotaryEmbedding", "Shape", "Sigmoid", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub",
     "Tanh", "TensorScatter", "Transpose", "Unsqueeze", "Where", "Relu", "ReduceMean", "Tile", "Range",
     "TopK", "ScatterElements", "ReduceSum",  # mixture-of-experts routing (TopK: K must be an initializer)
+    # MoeMlp: a 2-D router Linear is a Gemm; the If on the token count picks the GatherND of the chosen
+    # experts (decode) or the dense form (If: both branches' outputs of the same rank, different names)
+    "Gemm", "GatherND", "If",
     "Less", "And",  # a sliding-window layer's band of the mask
 })
 
@@ -186,8 +190,9 @@ def check_cache_io(model: onnx.ModelProto, pairs: list[tuple[str, str]]) -> None
 
 def check_ops(model: onnx.ModelProto) -> dict[str, int]:
     """Refuse op types outside the set TensorRT's parser imports, listing all of them at once."""
-    ops = Counter(n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx"))
-    custom = sorted({f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain not in ("", "ai.onnx")})
+    nodes = list(_all_nodes(model.graph))  # an If's branches (MoeMlp's gathered and dense forms) included
+    ops = Counter(n.op_type for n in nodes if n.domain in ("", "ai.onnx"))
+    custom = sorted({f"{n.domain}::{n.op_type}" for n in nodes if n.domain not in ("", "ai.onnx")})
     unknown = sorted(set(ops) - PARSER_OPS) + custom
     if unknown:
         raise UnsupportedFeatureError(
@@ -211,7 +216,7 @@ def convert_precision(model: onnx.ModelProto, precision: Precision) -> int:
             new, c = _convert_tensor(init, precision)
             g.initializer[i].CopyFrom(new)
             clipped += c
-    for node in g.node:
+    for node in _all_nodes(g):
         for a in node.attribute:
             if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT:
                 new, c = _convert_tensor(a.t, precision)
@@ -239,6 +244,11 @@ def convert_precision(model: onnx.ModelProto, precision: Precision) -> int:
         # fp32 logits: the sampler and the verify tolerances read them; the cast is one tiny kernel
         g.node.append(helper.make_node("Cast", [inner], [LOGITS], to=TensorProto.FLOAT, name="lm_head/Cast_logits"))
     del g.value_info[:]
+    for sub in _subgraphs(g):  # an If's branch outputs are typed too
+        for vi in sub.output:
+            if vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+                vi.type.tensor_type.elem_type = target
+        del sub.value_info[:]
     return clipped
 
 
@@ -287,6 +297,21 @@ def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
         if a.name == name:
             return helper.get_attribute_value(a)
     return default
+
+
+def _subgraphs(g: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """Every graph nested in g's nodes' attributes (an If's then/else branches), depth first."""
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield a.g
+                yield from _subgraphs(a.g)
+
+
+def _all_nodes(g: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    yield from g.node
+    for sub in _subgraphs(g):
+        yield from sub.node
 
 
 def _consumed(model: onnx.ModelProto) -> set[str]:
