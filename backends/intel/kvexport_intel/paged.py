@@ -24,6 +24,7 @@ list as it grows and returns them when its request retires.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,19 +36,34 @@ from kvexport.runtime.rows import Rows
 # Inputs of the transformed model that describe the scheduled sequences (GenAI's model runner sets these).
 SEQUENCE_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
 PA_OP = "PagedAttentionExtension"
+KEY_CACHE, SLIDING_WINDOW = 3, 10  # PagedAttentionExtension's input ports (OpenVINO 2026.4)
 
 
-def to_paged(model: Any, num_layers: int) -> str | None:
+def to_paged(model: Any, windows: Sequence[int | None]) -> str | None:
     """Apply OpenVINO's SDPA-to-paged-attention transformation to `model` in place; returns why the
     result cannot serve as batched rows (None: it can). Every attention layer must have become a
-    PagedAttentionExtension, no state may be left, and the inputs must be the ones PagedRows drives."""
+    PagedAttentionExtension, no state may be left, and the inputs must be the ones PagedRows drives.
+    windows[i]: layer i's sliding window (None: the whole past). The IR carries a window in its mask,
+    which paged attention does not read, so each sliding layer's op gets it as its `sliding_window`
+    input (a key at most window - 1 positions behind the query is seen, as in transformers)."""
+    import openvino.opset13 as opset
     from openvino._offline_transformations import paged_attention_transformation
 
-    paged_attention_transformation(model)
+    num_layers = len(windows)
+    try:
+        paged_attention_transformation(model)
+    except RuntimeError as e:  # e.g. no ScaledDotProductAttention at all (gemma2's softcapped attention)
+        return f"OpenVINO's paged_attention_transformation refused the model: {str(e).strip().splitlines()[-1]}"
     ops = [op.get_type_name() for op in model.get_ordered_ops()]
     pa = ops.count(PA_OP)
     if pa != num_layers:
         return f"paged attention replaced {pa} of {num_layers} attention layers"
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != PA_OP:
+            continue
+        layer = int(op.input_value(KEY_CACHE).get_any_name().removeprefix("key_cache."))
+        if windows[layer]:
+            op.input(SLIDING_WINDOW).replace_source_output(opset.constant(np.int32(windows[layer])).output(0))
     if "ReadValue" in ops or "Assign" in ops:
         return "the paged model still keeps state"
     names = {n for p in model.inputs for n in p.get_names()}

@@ -45,21 +45,19 @@ class IntelSession(Session):
         self.model_path: str | None = None
         self.compile_config: dict[str, Any] = {}
         self.batch_rows = "paged"  # or "state": one InferRequest per row (the load option batch_rows)
+        self.windows: list[int | None] = [None] * num_layers  # each layer's sliding window (None: whole past)
         self._paged: tuple[Any, str | None] | None = None  # (compiled paged model or None, why not)
 
     def describe(self) -> dict[str, Any]:
         return {"cache_policy": "internal", "device": "cpu (OpenVINO)", **self.facts}
 
     # --- batched rows ------------------------------------------------------------------------
-    def paged_unavailable(self, sliding_window: int | None) -> str | None:
+    def paged_unavailable(self) -> str | None:
         """Why this engine's rows cannot run through paged attention (None: they can)."""
         if self.batch_rows != "paged":
             return f"batch_rows={self.batch_rows} was asked for"
         if self.model_path is None:
             return "this session was not loaded from an artifact"
-        if sliding_window:
-            return ("the model attends within a sliding window, which the IR expresses in its mask and "
-                    "paged attention ignores")
         if self.facts.get("kv_precision", "f32") != "f32":
             return (f"the {self.facts.get('kv_precision')} cache: paged attention quantizes its blocks "
                     "differently from the state the build verified")
@@ -76,7 +74,7 @@ class IntelSession(Session):
 
                 core = ov.Core()
                 model = core.read_model(self.model_path)
-                why, compiled = to_paged(model, self.num_layers), None
+                why, compiled = to_paged(model, self.windows), None
                 if why is None:
                     try:
                         compiled = core.compile_model(model, "CPU", self.compile_config)
@@ -86,7 +84,7 @@ class IntelSession(Session):
             return self._paged
 
     def batched_rows(self, rows: int, sliding_window: int | None) -> Any:
-        why = self.paged_unavailable(sliding_window)
+        why = self.paged_unavailable()
         compiled = None
         if why is None:
             compiled, why = self.paged_model()

@@ -18,6 +18,11 @@ pytest.importorskip("openvino", reason="the intel target needs openvino (pip ins
 from kvexport_intel.paged import PagedRows  # noqa: E402
 
 
+# gemma2 caps its attention scores (softcap), which it computes by matmul and softmax, not SDPA:
+# the transformation finds no attention to page.
+NOT_PAGED = {"gemma2": "No ScaledDotProductAttention operation observed in the graph"}
+
+
 def prompt_ids(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 259, n)]
 
@@ -26,14 +31,15 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 def test_paged_rows_staggered_equal_alone(family: str, intel_artifacts: dict) -> None:
     """Four prompts enter rows 1, 3, 0, 5 of 6 at different steps, in chunks of 4 tokens while the
     others decode: each row's logits stay within the fp32 tolerance of the stateful engine alone and
-    pick the same greedy tokens. A sliding-window family keeps one InferRequest per row (paged
-    attention would ignore the window its mask carries), and the session says why."""
+    pick the same greedy tokens, past the sliding window of mistral, starcoder2 and gemma3_text's
+    sliding layers (window 24 / 16; 40 + 39 tokens held). Where paged attention does not apply the
+    scheduler keeps one InferRequest per row, and the session says why."""
     _, art = intel_artifacts[family]
     engine = kvexport.load(str(art), precision="fp32")
     rows = rows_for(engine.session, 6, engine.config.sliding_window)
     why = engine.session.facts["batch_rows"]
-    if engine.config.sliding_window:
-        assert isinstance(rows, StateRows) and "sliding window" in why
+    if family in NOT_PAGED:
+        assert isinstance(rows, StateRows) and NOT_PAGED[family] in why
         return
     assert isinstance(rows, PagedRows) and why == "paged attention"
     prompts = [prompt_ids(n, seed=n) for n in (5, 17, 40, 9)]  # 40: two blocks of 32
