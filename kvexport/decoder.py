@@ -196,17 +196,18 @@ def window_band(mask: Tensor, write_index: Tensor | None, seq: int, window: int)
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: DecoderConfig) -> Tensor:
     if cfg.attn_logit_softcap is not None:
-        return softcapped_attention(q, k, v, mask, cfg.scale, cfg.attn_logit_softcap)
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        return softcapped_attention(q, k, v, mask, cfg.scale, cfg.attn_logit_softcap, group)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.scale, enable_gqa=True)
 
 
-def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, cap: float) -> Tensor:
+def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, cap: float,
+                         group: int) -> Tensor:
     """Attention whose scores are capped before the mask: cap * tanh(q.k * scale / cap) (Gemma 2), the
     matmul-softmax form, as torch's SDPA has no softcap. q (B, H_q, S, D); k, v (B, H_kv, L, D), each K/V
-    head serving H_q / H_kv query heads; mask bool (True = attend) or additive -> (B, H_q, S, D)."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H_q, L, D)
+    head serving `group` = H_q / H_kv query heads; mask bool (True = attend) or additive -> (B, H_q, S, D)."""
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H_q, L, D)
     scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap  # (B, H_q, S, L)
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)

@@ -79,6 +79,19 @@ def test_export_check_lists_problems(tmp_path: Path) -> None:
     assert p.returncode == 2 and "hidden_act" in p.stdout and "rope_type" in p.stdout
 
 
+def test_export_check_names_a_gemma_feature_it_does_not_compute(tmp_path: Path) -> None:
+    from kvexport.zoo import TINY_CONFIGS, write_checkpoint
+
+    ckpt = write_checkpoint(TINY_CONFIGS["gemma3_text"], tmp_path / "g3")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["use_bidirectional_attention"] = True  # EmbeddingGemma: an encoder
+    cfg["rope_parameters"]["full_attention"] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    p = kvx("export", str(ckpt), "--check", ok=False)
+    assert p.returncode == 2 and "use_bidirectional_attention" in p.stdout
+    assert "rope_parameters.full_attention.rope_type" in p.stdout and "yarn" in p.stdout
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [

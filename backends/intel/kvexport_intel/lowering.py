@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvexport.config import DecoderConfig
-from kvexport.decoder import ConcatTorch, Decoder, Step
+from kvexport.decoder import ConcatTorch, Decoder, Step, softcapped_attention
 from kvexport.errors import ArtifactError
 from kvexport.manifest import Manifest
 
@@ -48,7 +48,10 @@ class BeamConcat(ConcatTorch):
             v_rep = v_all[:, :, None].expand(B, Hkv, rep, T, D).reshape(B, Hq, T, D)
         else:
             k_rep, v_rep = k_all, v_all
-        y = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=step.mask, scale=cfg.scale)  # (B, H_q, S, D)
+        if cfg.attn_logit_softcap is not None:  # no SDPA node to fuse: SDPA has no softcap (Gemma 2)
+            y = softcapped_attention(q, k_rep, v_rep, step.mask, cfg.scale, cfg.attn_logit_softcap, 1)
+        else:
+            y = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=step.mask, scale=cfg.scale)  # (B, H_q, S, D)
         return y, k_all, v_all
 
 

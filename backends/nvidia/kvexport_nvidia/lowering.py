@@ -11,7 +11,7 @@ which is how the tests hold them to the reference.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -52,6 +52,7 @@ class LoweringReport:
     precision: str
     max_seq: int
     rope_rewritten: int = 0
+    attention_decomposed: int = 0  # softcapped Attention nodes written as explicit ops (IAttention has no softcap)
     attention_outputs_trimmed: int = 0
     identities_folded: int = 0
     fp16_clipped: int = 0
@@ -78,33 +79,98 @@ def rope_to_bnsh(model: onnx.ModelProto) -> int:
     """Rewrite 3-D RotaryEmbedding (B, S, N*H) + num_heads into the 4-D (B, N, S, H) form that
     IRotaryEmbeddingLayer takes: Reshape -> Transpose -> RoPE -> Transpose -> Reshape.
     TensorRT folds the transposes into the neighbouring ones that the IR already has."""
+    return _rewrite_nodes(model, _rope_bnsh)
+
+
+def _rope_bnsh(g: onnx.GraphProto, node: onnx.NodeProto, count: int) -> list[onnx.NodeProto] | None:
+    heads = int(_attr(node, "num_heads", 0))  # type: ignore[arg-type]
+    if node.op_type != "RotaryEmbedding" or not heads:
+        return None
+    n = node.name or f"RotaryEmbedding_{count}"
+    x, y = node.input[0], node.output[0]
+    bsnh, bnsh, rot_bnsh, rot_bsnh = (f"{n}/{s}" for s in ("bsnh", "bnsh", "rot_bnsh", "rot_bsnh"))
+    # an explicit N with H inferred: the head count is the node's own attribute
+    shape_in = _const_shape(g, f"kvx_rope_shape_bsnh_{heads}", [0, 0, heads, -1])
+    shape_out = _const_shape(g, "kvx_rope_shape_bsd", [0, 0, -1])
+    rope = helper.make_node("RotaryEmbedding", [bnsh, *node.input[1:]], [rot_bnsh], name=n)
+    rope.attribute.extend(a for a in node.attribute if a.name != "num_heads")
+    return [
+        helper.make_node("Reshape", [x, shape_in], [bsnh], name=f"{n}/Reshape_in"),  # (B, S, N, H)
+        helper.make_node("Transpose", [bsnh], [bnsh], perm=[0, 2, 1, 3], name=f"{n}/Transpose_in"),  # (B, N, S, H)
+        rope,  # (B, N, S, H)
+        helper.make_node("Transpose", [rot_bnsh], [rot_bsnh], perm=[0, 2, 1, 3], name=f"{n}/Transpose_out"),  # (B, S, N, H)
+        helper.make_node("Reshape", [rot_bsnh, shape_out], [y], name=f"{n}/Reshape_out"),  # (B, S, N*H)
+    ]
+
+
+def _rewrite_nodes(model: onnx.ModelProto,
+                   rewrite: Callable[[onnx.GraphProto, onnx.NodeProto, int], list[onnx.NodeProto] | None]) -> int:
+    """Each node for which rewrite(graph, node, rewritten so far) returns nodes is replaced by them, in place;
+    returns how many were replaced."""
     g = model.graph
     new_nodes: list[onnx.NodeProto] = []
     count = 0
     for node in g.node:
-        heads = int(_attr(node, "num_heads", 0))  # type: ignore[arg-type]
-        if node.op_type != "RotaryEmbedding" or not heads:
-            new_nodes.append(node)
-            continue
-        n = node.name or f"RotaryEmbedding_{count}"
-        x, y = node.input[0], node.output[0]
-        bsnh, bnsh, rot_bnsh, rot_bsnh = (f"{n}/{s}" for s in ("bsnh", "bnsh", "rot_bnsh", "rot_bsnh"))
-        # an explicit N with H inferred: the head count is the node's own attribute
-        shape_in = _const_shape(g, f"kvx_rope_shape_bsnh_{heads}", [0, 0, heads, -1])
-        shape_out = _const_shape(g, "kvx_rope_shape_bsd", [0, 0, -1])
-        rope = helper.make_node("RotaryEmbedding", [bnsh, *node.input[1:]], [rot_bnsh], name=n)
-        rope.attribute.extend(a for a in node.attribute if a.name != "num_heads")
-        new_nodes += [
-            helper.make_node("Reshape", [x, shape_in], [bsnh], name=f"{n}/Reshape_in"),  # (B, S, N, H)
-            helper.make_node("Transpose", [bsnh], [bnsh], perm=[0, 2, 1, 3], name=f"{n}/Transpose_in"),  # (B, N, S, H)
-            rope,  # (B, N, S, H)
-            helper.make_node("Transpose", [rot_bnsh], [rot_bsnh], perm=[0, 2, 1, 3], name=f"{n}/Transpose_out"),  # (B, S, N, H)
-            helper.make_node("Reshape", [rot_bsnh, shape_out], [y], name=f"{n}/Reshape_out"),  # (B, S, N*H)
-        ]
-        count += 1
+        out = rewrite(g, node, count)
+        new_nodes += [node] if out is None else out
+        count += out is not None
     del g.node[:]
     g.node.extend(new_nodes)
     return count
+
+
+def decompose_softcapped_attention(model: onnx.ModelProto) -> int:
+    """IAttention has no logit softcap (Gemma 2's `softcap` attribute): such an `Attention` becomes its
+    explicit ops, scores = cap * tanh(q.k^T * scale / cap), masked, Softmax, times v, its K/V heads repeated
+    for the query heads. TensorRT then runs that layer unfused. Returns how many were rewritten."""
+    return _rewrite_nodes(model, _explicit_softcap_attention)
+
+
+def _explicit_softcap_attention(g: onnx.GraphProto, node: onnx.NodeProto, count: int) -> list[onnx.NodeProto] | None:
+    cap = float(_attr(node, "softcap", 0.0))  # type: ignore[arg-type]
+    if node.op_type != "Attention" or not cap:
+        return None
+    if len(node.input) > 4 and any(node.input[4:]):
+        raise UnsupportedFeatureError(f"{node.name}: a softcapped Attention with past inputs is not lowered; "
+                                      "export the static-cache IR (kvexport build --target nvidia does)")
+    n = node.name or f"Attention_{count}"
+    q, k, v, mask = node.input[:4]
+    hq, hkv = int(_attr(node, "q_num_heads", 0)), int(_attr(node, "kv_num_heads", 0))  # type: ignore[arg-type]
+    scale = float(_attr(node, "scale", 0.0))  # type: ignore[arg-type]
+    rep = hq // hkv if hq and hkv else 1
+    c = {name: f"{n}/{name}" for name in ("axis2", "rep", "heads", "scale", "cap", "masked")}
+    g.initializer.extend([
+        helper.make_tensor(c["axis2"], TensorProto.INT64, [1], [2]),
+        helper.make_tensor(c["rep"], TensorProto.INT64, [5], [1, 1, rep, 1, 1]),
+        helper.make_tensor(c["heads"], TensorProto.INT64, [1], [hq]),
+        helper.make_tensor(c["scale"], TensorProto.FLOAT, [], [scale]),
+        helper.make_tensor(c["cap"], TensorProto.FLOAT, [], [cap]),
+        # scores lie in [-cap, cap]: -30000 is exp() == 0 beside them in fp32, fp16 and bf16 alike
+        helper.make_tensor(c["masked"], TensorProto.FLOAT, [], [-30000.0]),
+    ])
+    nodes: list[onnx.NodeProto] = []
+    kv = [k, v]
+    if rep > 1:  # (B, H_kv, L, D) -> (B, H_kv, rep, L, D) -> (B, H_q, L, D): query head h reads K/V head h // rep
+        nodes += [helper.make_node("Shape", [k], [f"{n}/b"], end=1),
+                  helper.make_node("Shape", [k], [f"{n}/ld"], start=2),
+                  helper.make_node("Concat", [f"{n}/b", c["heads"], f"{n}/ld"], [f"{n}/bhld"], axis=0)]
+        for j, name in enumerate(("k", "v")):
+            nodes += [helper.make_node("Unsqueeze", [kv[j], c["axis2"]], [f"{n}/{name}5"]),
+                      helper.make_node("Expand", [f"{n}/{name}5", c["rep"]], [f"{n}/{name}_rep5"]),
+                      helper.make_node("Reshape", [f"{n}/{name}_rep5", f"{n}/bhld"], [f"{n}/{name}_rep"])]
+            kv[j] = f"{n}/{name}_rep"
+    s = f"{n}/scores"
+    return nodes + [
+        helper.make_node("Transpose", [kv[0]], [f"{s}_kt"], perm=[0, 1, 3, 2]),  # (B, H_q, D, L)
+        helper.make_node("MatMul", [q, f"{s}_kt"], [f"{s}_qk"]),  # (B, H_q, S, L)
+        helper.make_node("Mul", [f"{s}_qk", c["scale"]], [f"{s}_scaled"]),
+        helper.make_node("Div", [f"{s}_scaled", c["cap"]], [f"{s}_over_cap"]),
+        helper.make_node("Tanh", [f"{s}_over_cap"], [f"{s}_tanh"]),
+        helper.make_node("Mul", [f"{s}_tanh", c["cap"]], [f"{s}_capped"]),
+        helper.make_node("Where", [mask, f"{s}_capped", c["masked"]], [f"{s}_masked"]),
+        helper.make_node("Softmax", [f"{s}_masked"], [f"{s}_probs"], axis=-1),
+        helper.make_node("MatMul", [f"{s}_probs", kv[1]], [node.output[0]], name=f"{n}/MatMul_out"),  # (B, H_q, S, D)
+    ]
 
 
 def trim_attention_outputs(model: onnx.ModelProto) -> int:
@@ -261,6 +327,7 @@ def lower(model: onnx.ModelProto, *, max_seq: int, precision: Precision, pairs: 
     if weights is not None:
         check_mode(weights, group_size)
     report = LoweringReport(precision=precision, max_seq=max_seq)
+    report.attention_decomposed = decompose_softcapped_attention(model)
     report.ops = check_ops(model)
     report.attention_outputs_trimmed = trim_attention_outputs(model)
     report.identities_folded = fold_cache_identities(model)
