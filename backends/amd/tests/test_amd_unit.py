@@ -214,6 +214,7 @@ def test_decode_buffers_fill_only_held_slots() -> None:
     ids, pos, wi = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long)
     mask = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
     m = np.array([[True, False, True]] * 2)[:, None, None, :]
-    AotiSession._fill(ids, pos, wi, mask, np.array([[4], [5]]), np.array([[2], [1]]), m, 2)
+    session = SimpleNamespace(full_mask=True, ring=None)  # what _fill reads of a session without ring layers
+    AotiSession._fill(session, [ids, pos, wi, mask], np.array([[4], [5]]), np.array([[2], [1]]), m, 2)
     assert ids.tolist() == [[4], [5]] and pos.tolist() == [[2], [1]] and wi.tolist() == [2, 2]
     assert mask[0, 0, 0].tolist() == [True, False, True, False, False, False, False, False]
