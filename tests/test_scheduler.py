@@ -47,7 +47,7 @@ def test_rows_staggered_equal_alone(kind: str, chunk: int, model: str, request: 
     n_new = 40
     ref = [greedy_logits(engine, p, n_new) for p in prompts]
     cls = BoundRows if kind == "bound" else StateRows
-    rows = cls(engine.session, 6, engine.config.sliding_window)
+    rows = cls(engine.session, 6)
     got = run_staggered(rows, prompts, n_new, where=[1, 3, 0, 5], chunk=chunk)
     rows.release()
     for i in range(4):

@@ -37,10 +37,10 @@ class Rows(ABC):
     max_seq: int
     batched: bool = False  # True where one decode call serves every row
 
-    def __init__(self, rows: int, max_seq: int, sliding_window: int | None):
+    def __init__(self, rows: int, max_seq: int):
         if rows < 1:
             raise InputError(f"a scheduler needs at least one row, got {rows}")
-        self.rows, self.max_seq, self.window = rows, max_seq, sliding_window
+        self.rows, self.max_seq = rows, max_seq
         self.held = np.zeros(rows, dtype=np.int64)
 
     @abstractmethod
@@ -81,21 +81,21 @@ class Rows(ABC):
         return k <= q
 
 
-def rows_for(session: Session, rows: int, sliding_window: int | None = None) -> Rows:
+def rows_for(session: Session, rows: int) -> Rows:
     """The fastest row cache this session supports."""
     from kvexport.backends.cpu import CpuSession
 
     if isinstance(session, CpuSession):
-        return BoundRows(session, rows, sliding_window)
-    own = session.batched_rows(rows, sliding_window)
-    return own if own is not None else StateRows(session, rows, sliding_window)
+        return BoundRows(session, rows)
+    own = session.batched_rows(rows)
+    return own if own is not None else StateRows(session, rows)
 
 
 class BoundRows(Rows):
     batched = True
 
-    def __init__(self, session: Any, rows: int, sliding_window: int | None = None, start_capacity: int = 64):
-        super().__init__(rows, session.max_seq, sliding_window)
+    def __init__(self, session: Any, rows: int, start_capacity: int = 64):
+        super().__init__(rows, session.max_seq)
         self.s = session
         self.dtype = session.cache_dtype
         self.capacity = 0
@@ -218,8 +218,8 @@ class BoundRows(Rows):
 class StateRows(Rows):
     """One Session state of batch 1 per row (any backend)."""
 
-    def __init__(self, session: Session, rows: int, sliding_window: int | None = None):
-        super().__init__(rows, session.max_seq, sliding_window)
+    def __init__(self, session: Session, rows: int):
+        super().__init__(rows, session.max_seq)
         self.s = session
         self.states: list[Any] = [None] * rows
         self.out = np.zeros((rows, session.vocab_size), dtype=np.float32)

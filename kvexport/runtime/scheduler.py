@@ -214,7 +214,7 @@ class Scheduler:
             raise InputError(f"prefill_budget must be >= 1, got {prefill_budget}")
         self.prefill_budget = 4 * prefill_chunk if prefill_budget is None else prefill_budget
         self.engine = engine
-        self.rows = rows or rows_for(engine.session, max_batch, engine.config.sliding_window)
+        self.rows = rows or rows_for(engine.session, max_batch)
         self.max_batch, self.max_queue, self.prefill_chunk = self.rows.rows, max_queue, prefill_chunk
         self.max_seq = engine.limit  # max_seq, or past it where every layer slides on a ring
         self.stats = Stats()

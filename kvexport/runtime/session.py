@@ -36,7 +36,7 @@ class Session(ABC):
         """Facts for `inspect` and `bench` (threads, cache policy, device)."""
         return {}
 
-    def batched_rows(self, rows: int, sliding_window: int | None) -> Any:
+    def batched_rows(self, rows: int) -> Any:
         """This backend's own cache rows for continuous batching (a kvexport.runtime.rows.Rows that
         decodes every row in one call), or None where it has none for this engine: the scheduler
         then steps one Session state per row."""

@@ -86,7 +86,7 @@ class PagedRows(Rows):
     def __init__(self, compiled: Any, *, rows: int, max_seq: int, num_layers: int, vocab_size: int):
         import openvino as ov
 
-        super().__init__(rows, max_seq, None)
+        super().__init__(rows, max_seq)
         self.compiled, self.num_layers = compiled, num_layers
         self.request = compiled.create_infer_request()
         # tokens per block, as the plugin compiled it: (blocks, kv_heads, block, head_dim) for the value cache

@@ -83,7 +83,7 @@ class IntelSession(Session):
                 self._paged = (compiled, why)
             return self._paged
 
-    def batched_rows(self, rows: int, sliding_window: int | None) -> Any:
+    def batched_rows(self, rows: int) -> Any:
         why = self.paged_unavailable()
         compiled = None
         if why is None:

@@ -36,7 +36,7 @@ def test_paged_rows_staggered_equal_alone(family: str, intel_artifacts: dict) ->
     scheduler keeps one InferRequest per row, and the session says why."""
     _, art = intel_artifacts[family]
     engine = kvexport.load(str(art), precision="fp32")
-    rows = rows_for(engine.session, 6, engine.config.sliding_window)
+    rows = rows_for(engine.session, 6)
     why = engine.session.facts["batch_rows"]
     if family in NOT_PAGED:
         assert isinstance(rows, StateRows) and NOT_PAGED[family] in why
