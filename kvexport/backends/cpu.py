@@ -16,7 +16,7 @@ from kvexport.backends.cpu_quant import DEFAULT_GROUP_SIZE as CPU_DEFAULT_GROUP_
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import ArtifactError, InputError
 from kvexport.manifest import Manifest
-from kvexport.runtime.buffers import aligned_zeros, capacity_for
+from kvexport.runtime.buffers import aligned_zeros, capacity_for, regrow
 from kvexport.runtime.ring import MASK_INPUT, RingSpec, chunks, sliding_mask
 from kvexport.runtime.session import Session
 
@@ -248,7 +248,7 @@ class CpuSession(Session):
         self.pairs = manifest.kv_pairs()
         self.ring = RingSpec.of(manifest)  # sliding-window layers on a ring of at most `window` slots
         # positions a request may reach: past max_seq where every layer slides on a ring
-        self.limit = self.ring.max_positions if self.ring and self.ring.every_layer else self.max_seq
+        self.limit = self.ring.limit(self.max_seq) if self.ring else self.max_seq
         try:
             self.sess = ort.InferenceSession(str(model), session_options(threads), providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
@@ -286,20 +286,13 @@ class CpuSession(Session):
     def _resize(self, state: CpuState, capacity: int) -> None:
         """Allocate caches of `capacity` slots (a ring: at most its window), copy the held rows once, rebind
         past=present. A ring already at its window keeps its buffer: nothing of it is copied."""
-        new = []
-        for k, ((inp, out), length) in enumerate(zip(self.pairs, self.cache_lengths(capacity))):
-            old = state.caches[k] if state.caches else None
-            if old is not None and old.shape[2] == length:
-                buf = old
-            else:
-                buf = aligned_zeros((state.batch, self.kv_heads, length, self.head_dim), self.cache_dtype)
-                if old is not None:  # slots 0..held-1 in order: a ring shorter than its window never wrapped
-                    buf[:, :, : old.shape[2]] = old
-                    state.bytes_copied += old.nbytes
+        shapes = [(state.batch, self.kv_heads, n, self.head_dim) for n in self.cache_lengths(capacity)]
+        new, copied = regrow(state.caches, shapes, self.cache_dtype)
+        state.bytes_copied += copied
+        for (inp, out), buf in zip(self.pairs, new):
             # same address for input and output: TensorScatter then writes in place
             state.binding.bind_input(inp, "cpu", 0, self.cache_dtype, buf.shape, buf.ctypes.data)
             state.binding.bind_output(out, "cpu", 0, self.cache_dtype, buf.shape, buf.ctypes.data)
-            new.append(buf)
         if state.caches:
             state.grow_events.append(capacity)
         state.caches, state.capacity = new, capacity

@@ -21,6 +21,26 @@ def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype | type, align: int = A
     return arr
 
 
+def regrow(old: list[np.ndarray], shapes: list[tuple[int, ...]], dtype: np.dtype | type) -> tuple[list[np.ndarray], int]:
+    """Caches of `shapes` (BHSD) replacing `old` (empty: first allocation), and the bytes copied.
+
+    A cache whose shape is unchanged (a ring already at its window) keeps its buffer; a longer one is
+    a new aligned buffer holding the old one's slots at its start (a ring shorter than its window never
+    wrapped, so its slots are in order too)."""
+    new, copied = [], 0
+    for k, shape in enumerate(shapes):
+        prev = old[k] if old else None
+        if prev is not None and prev.shape == shape:
+            new.append(prev)
+            continue
+        buf = aligned_zeros(shape, dtype)
+        if prev is not None:
+            buf[:, :, : prev.shape[2]] = prev
+            copied += prev.nbytes
+        new.append(buf)
+    return new, copied
+
+
 def capacity_ladder(max_seq: int, start: int = 64) -> list[int]:
     """Capacities a growing cache steps through: 64, 96, 128, 192, 256, 384, ... up to max_seq.
 

@@ -74,7 +74,7 @@ class Engine:
         self.max_seq = manifest.max_seq
         ring = RingSpec.of(manifest)
         # how many slots a request may hold: max_seq, or the model's positions where every layer slides on a ring
-        self.limit = ring.max_positions if ring is not None and ring.every_layer else self.max_seq
+        self.limit = ring.limit(self.max_seq) if ring is not None else self.max_seq
         self.vocab_size = self.config.vocab_size
         self.eos_ids = tuple(manifest.raw["tokenizer"]["eos_token_ids"])
         self.tokenizer = self._load_tokenizer()

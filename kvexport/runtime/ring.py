@@ -46,6 +46,10 @@ class RingSpec:
         """No layer keeps a full-length cache: requests are bounded by max_positions, not max_seq."""
         return len(self.layers) == self.num_layers
 
+    def limit(self, max_seq: int) -> int:
+        """Slots a request may hold: max_positions where every layer is a ring, else max_seq."""
+        return self.max_positions if self.every_layer else max_seq
+
     def length(self, capacity: int) -> int:
         """Slots of a ring in a cache whose full-length layers hold `capacity`."""
         return min(self.window, capacity)

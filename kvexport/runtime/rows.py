@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvexport.errors import ContextOverflowError, InputError
-from kvexport.runtime.buffers import aligned_zeros, capacity_for
+from kvexport.runtime.buffers import aligned_zeros, capacity_for, regrow
 from kvexport.runtime.ring import MASK_INPUT, chunks, row_sliding_mask
 from kvexport.runtime.session import Session
 
@@ -111,17 +111,9 @@ class BoundRows(Rows):
     def _grow(self, capacity: int) -> None:
         """(Re)allocate every cache at `capacity` slots (a ring: at most its window), copying the held slots
         once; a ring already at its window keeps its buffer."""
-        new = []
-        for k, length in enumerate(self.s.cache_lengths(capacity)):
-            old = self.caches[k] if self.caches else None
-            if old is not None and old.shape[2] == length:
-                new.append(old)
-                continue
-            buf = aligned_zeros((self.rows, self.s.kv_heads, length, self.s.head_dim), self.dtype)
-            if old is not None:  # a ring shorter than its window never wrapped: its slots are in order too
-                buf[:, :, : old.shape[2]] = old
-                self.bytes_copied += old.nbytes
-            new.append(buf)
+        shapes = [(self.rows, self.s.kv_heads, n, self.s.head_dim) for n in self.s.cache_lengths(capacity)]
+        new, copied = regrow(self.caches, shapes, self.dtype)
+        self.bytes_copied += copied
         if self.caches:
             self.grow_events.append(capacity)
         self.caches, self.capacity, self._bound = new, capacity, None
