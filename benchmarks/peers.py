@@ -314,24 +314,21 @@ def build(a: argparse.Namespace) -> None:
     print(f"peers written under {out}")
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
 def _with_architectures(ckpt: Path, staged: Path) -> Path:
-    """The peers' converters pick their model class from config.json's `architectures`, which kvexport's
-    seeded checkpoints leave empty: a folder of links to the same files with it filled in."""
+    """The peers' converters pick their model class from config.json's `architectures`, which checkpoints
+    made by kvexport before it wrote one leave empty: a folder of links to the same files with it filled in."""
+    from kvexport.architectures import get_arch
+
     cfg = json.loads((ckpt / "config.json").read_text())
     if cfg.get("architectures"):
         return ckpt
-    if cfg["model_type"] not in ARCHITECTURES:
-        sys.exit(f"error: {ckpt}/config.json has no `architectures` and peers.py knows no class for "
-                 f"model_type {cfg['model_type']!r}; add one to its config.json")
     staged.mkdir(parents=True, exist_ok=True)
     for f in ckpt.iterdir():
         link = staged / f.name
         if f.name != "config.json" and not link.exists():
             link.symlink_to(f.resolve())
-    (staged / "config.json").write_text(json.dumps({**cfg, "architectures": [ARCHITECTURES[cfg["model_type"]]]}, indent=2))
+    cfg["architectures"] = [get_arch(cfg["model_type"]).hf_class]
+    (staged / "config.json").write_text(json.dumps(cfg, indent=2))
     return staged
 
 

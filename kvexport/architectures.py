@@ -466,6 +466,7 @@ GEMMA3_WEIGHTS = WeightMap(GEMMA2_WEIGHTS.globals, "model.layers.{i}.", {
 @dataclass(frozen=True)
 class ArchSpec:
     model_type: str
+    hf_class: str  # transformers' causal-LM class, written to a made checkpoint's `architectures`
     map_config: Callable[[ConfigReader], DecoderConfig]
     weights: WeightMap
     notes: str = ""
@@ -475,25 +476,31 @@ class ArchSpec:
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.model_type: spec
     for spec in (
-        ArchSpec("llama", _map_llama, LLAMA_WEIGHTS, "RoPE (default, linear, llama3 scaling), GQA"),
-        ArchSpec("mistral", _map_mistral, LLAMA_WEIGHTS, "Llama + sliding-window attention"),
-        ArchSpec("qwen2", _map_qwen2, LLAMA_WEIGHTS, "Llama + q/k/v bias"),
-        ArchSpec("gpt2", _map_gpt2, GPT2_WEIGHTS, "learned positions, fused Conv1D c_attn, LayerNorm, GELU"),
-        ArchSpec("qwen3", _map_qwen3, QWEN3_WEIGHTS, "Llama + per-head q/k RMSNorm before RoPE"),
-        ArchSpec("olmo2", _map_olmo2, OLMO2_WEIGHTS, "norms after attention and MLP; q/k RMSNorm over the projection"),
-        ArchSpec("granite", _map_granite, LLAMA_WEIGHTS, "Llama + embedding, residual, attention and logit multipliers"),
-        ArchSpec("gpt_neox", _map_gpt_neox, GPT_NEOX_WEIGHTS,
+        ArchSpec("llama", "LlamaForCausalLM", _map_llama, LLAMA_WEIGHTS, "RoPE (default, linear, llama3 scaling), GQA"),
+        ArchSpec("mistral", "MistralForCausalLM", _map_mistral, LLAMA_WEIGHTS, "Llama + sliding-window attention"),
+        ArchSpec("qwen2", "Qwen2ForCausalLM", _map_qwen2, LLAMA_WEIGHTS, "Llama + q/k/v bias"),
+        ArchSpec("gpt2", "GPT2LMHeadModel", _map_gpt2, GPT2_WEIGHTS,
+                 "learned positions, fused Conv1D c_attn, LayerNorm, GELU"),
+        ArchSpec("qwen3", "Qwen3ForCausalLM", _map_qwen3, QWEN3_WEIGHTS, "Llama + per-head q/k RMSNorm before RoPE"),
+        ArchSpec("olmo2", "Olmo2ForCausalLM", _map_olmo2, OLMO2_WEIGHTS,
+                 "norms after attention and MLP; q/k RMSNorm over the projection"),
+        ArchSpec("granite", "GraniteForCausalLM", _map_granite, LLAMA_WEIGHTS,
+                 "Llama + embedding, residual, attention and logit multipliers"),
+        ArchSpec("gpt_neox", "GPTNeoXForCausalLM", _map_gpt_neox, GPT_NEOX_WEIGHTS,
                  "per-head interleaved query_key_value, partial rotary, parallel residual, LayerNorm with bias"),
-        ArchSpec("phi3", _map_phi3, PHI3_WEIGHTS, "fused qkv_proj and gate_up_proj, LongRoPE (short/long factors)"),
-        ArchSpec("starcoder2", _map_starcoder2, STARCODER2_WEIGHTS, "LayerNorm with bias, GELU MLP, sliding window"),
-        ArchSpec("mixtral", _map_mixtral, MIXTRAL_WEIGHTS, "Mistral + top-k routed experts (softmax of the top-k logits)"),
-        ArchSpec("qwen3_moe", _map_qwen3_moe, QWEN3_MOE_WEIGHTS,
+        ArchSpec("phi3", "Phi3ForCausalLM", _map_phi3, PHI3_WEIGHTS,
+                 "fused qkv_proj and gate_up_proj, LongRoPE (short/long factors)"),
+        ArchSpec("starcoder2", "Starcoder2ForCausalLM", _map_starcoder2, STARCODER2_WEIGHTS,
+                 "LayerNorm with bias, GELU MLP, sliding window"),
+        ArchSpec("mixtral", "MixtralForCausalLM", _map_mixtral, MIXTRAL_WEIGHTS,
+                 "Mistral + top-k routed experts (softmax of the top-k logits)"),
+        ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", _map_qwen3_moe, QWEN3_MOE_WEIGHTS,
                  "Qwen3 + top-k routed experts (norm_topk_prob), dense mlp_only_layers / decoder_sparse_step"),
-        ArchSpec("gemma2", _map_gemma2, GEMMA2_WEIGHTS,
+        ArchSpec("gemma2", "Gemma2ForCausalLM", _map_gemma2, GEMMA2_WEIGHTS,
                  "(1 + w) RMSNorms before and after attention and MLP, scaled embeddings, gelu-tanh, attention and "
                  "final logit softcapping, sliding layers alternating with global ones",
                  modelled=("attn_logit_softcapping", "final_logit_softcapping", "layer_types")),
-        ArchSpec("gemma3_text", _map_gemma3_text, GEMMA3_WEIGHTS,
+        ArchSpec("gemma3_text", "Gemma3ForCausalLM", _map_gemma3_text, GEMMA3_WEIGHTS,
                  "Gemma 2 + (1 + w) per-head q/k norms, the sliding layers' own RoPE base (5 sliding : 1 global), "
                  "no softcapping by default",
                  modelled=("attn_logit_softcapping", "final_logit_softcapping", "layer_types", "rope_parameters")),

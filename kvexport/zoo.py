@@ -268,7 +268,8 @@ def write_checkpoint(hf_config: dict[str, Any], out_dir: str | Path, *, seed: in
         for hf_name, part in _hf_parts(cfg, canonical, _init_value(canonical, p.shape, g)):
             writer.add(hf_name, part.contiguous().to(dtype))
     writer.close()
-    cfg_out = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch."), "architectures": None}
+    cfg_out = {**hf_config, "torch_dtype": str(dtype).removeprefix("torch."),
+               "architectures": [get_arch(hf_config["model_type"]).hf_class]}  # what peers' converters pick a class by
     (out / "config.json").write_text(json.dumps(cfg_out, indent=2))
     write_tokenizer(out, int(cfg.vocab_size))
     return out

@@ -30,6 +30,16 @@ def test_tests_cover_every_tiny_config() -> None:
     assert set(FAMILIES) == set(ARCHITECTURES)
 
 
+def test_made_checkpoints_name_transformers_class(tmp_path: Path) -> None:
+    """config.json's `architectures` is what transformers' and the peers' converters pick a class by: each family's
+    hf_class must be the one transformers maps its model_type to, and a made checkpoint must carry it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    assert {t: s.hf_class for t, s in ARCHITECTURES.items()} == {t: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t] for t in ARCHITECTURES}
+    out = write_checkpoint(TINY_CONFIGS["qwen3"], tmp_path / "q3")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+
+
 def test_family_differences_are_data() -> None:
     cfg = {f: map_config(TINY_CONFIGS[f]) for f in TINY_CONFIGS}
     assert cfg["llama"].rope.type == "llama3" and cfg["llama"].rope.factor == 8.0
