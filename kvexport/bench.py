@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvexport.config import DecoderConfig
+from kvexport.precision import kv_of
 from kvexport.runtime.engine import Engine
 
 Progress = Callable[[str], None]
@@ -381,7 +382,7 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     bw = 0.0  # best read bandwidth seen in any round: the bound is an upper limit, so take the highest
     timed = [("engine", engine), *((f"other:{label}", other) for label, other in others or [])]
     modes = {key: mode_of(e) for key, e in timed}
-    itemsize = 4 if engine.manifest.cache["dtype"] == "float32" else 2  # the cache's (an int8 cache: see kv_cache_bytes)
+    kv_token_bytes = kv_of(engine.manifest)[1]  # K and V of one token, every layer, at the cache's own width
     gemvs = {key: engine_gemvs(e) for key, e in timed}
     # per token: every weight matrix is read once (the embedding tables are gathered, one row each)
     weight_bytes = sum(g.nbytes for g in gemvs["engine"])
@@ -416,7 +417,7 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
             if hf is not None:
                 runs["hf_cache"].append(hf.run(p, new_tokens, True))
         row: dict[str, Any] = {k: _best(v) for k, v in runs.items() if v}
-        kv_read = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize * (p + new_tokens // 2)
+        kv_read = kv_token_bytes * (p + new_tokens // 2)
         bound = bw * 1e9 / (weight_bytes + kv_read)
         row["bandwidth_bound_tok_s"] = bound
         row["fraction_of_bound"] = row["engine"]["decode_tok_s"] / bound
