@@ -1,7 +1,10 @@
 """Helpers the test suites of the core and of every backend share (no test framework imported here)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,3 +54,29 @@ def run_staggered(rows: Rows, prompts: Sequence[Sequence[int]], n_new: int, wher
                 pending[i] = int(lg[j].argmax())
         step += 1
     return [np.array(g) for g in got]
+
+
+# --- building a test artifact once per run, whichever pytest-xdist worker asks first -------------
+def run_folder(tmp_path_factory: Any, name: str) -> Path:
+    """A folder `name` shared by every pytest-xdist worker of this run (under the parent of the workers'
+    base temp folders), or under this run's base temp folder when pytest runs in one process."""
+    base = Path(tmp_path_factory.getbasetemp())
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def made_once(path: Path, make: Callable[[Path], object]) -> Path:
+    """`path`, made by make(path) in the first process of the run that asks for it, under a file lock
+    beside it: the others wait for it and reuse it. A make that raised leaves no mark, so the next asker
+    starts again from nothing."""
+    from filelock import FileLock  # the test extra's; imported here so that importing this module needs none
+
+    done = path.with_name(path.name + ".done")
+    with FileLock(path.with_name(path.name + ".lock")):
+        if not done.exists():
+            if path.is_dir():
+                shutil.rmtree(path)
+            make(path)
+            done.touch()
+    return path

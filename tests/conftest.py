@@ -10,10 +10,29 @@ import numpy as np
 import pytest
 import torch
 
+from kvexport.testing import made_once, run_folder
 from kvexport.zoo import TINY_CONFIGS, write_checkpoint
 
 FAMILIES = sorted(TINY_CONFIGS)
 MAX_SEQ = 128
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadgroup` for this suite (the README's test command): a test marked xdist_group goes with
+    its group and every other test with its file, so module and session fixtures are built on one worker.
+    (pytest-xdist's own loadgroup hands each unmarked test out alone, as `--dist load` does.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupOrFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist appends "@group" to a marked test's id
+                return nodeid.rsplit("@", 1)[-1]
+            return nodeid.split("::", 1)[0]
+
+    return GroupOrFile(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -22,26 +41,35 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def checkpoints(workdir: Path) -> dict[str, Path]:
-    return {f: write_checkpoint(TINY_CONFIGS[f], workdir / f"ckpt-{f}", seed=7) for f in FAMILIES}
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session fixtures below build, once per run: pytest-xdist's workers share it."""
+    return run_folder(tmp_path_factory, "kvx-shared")
 
 
 @pytest.fixture(scope="session")
-def default_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoints(shared: Path) -> dict[str, Path]:
+    return {f: made_once(shared / f"ckpt-{f}", lambda p, f=f: write_checkpoint(TINY_CONFIGS[f], p, seed=7))
+            for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def default_artifact(shared: Path) -> Path:
     """The embedded default model's cpu artifact (max_seq 256), built once by `kvexport build` as a user runs
     it, verify on; the CLI tests and every test that only loads the default engine share it."""
-    out = tmp_path_factory.mktemp("cli") / "default.kvx"
-    p = subprocess.run([sys.executable, "-m", "kvexport", "build", "-o", str(out), "--max-seq", "256"],
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert p.returncode == 0, p.stderr
-    assert "verify:" in p.stderr and "passed" in p.stderr  # build verifies unless told not to
-    return out
+
+    def make(out: Path) -> None:
+        p = subprocess.run([sys.executable, "-m", "kvexport", "build", "-o", str(out), "--max-seq", "256"],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert p.returncode == 0, p.stderr
+        assert "verify:" in p.stderr and "passed" in p.stderr  # build verifies unless told not to
+
+    return made_once(shared / "default.kvx", make)
 
 
 @pytest.fixture(scope="session")
-def artifacts(workdir: Path, checkpoints: dict[str, Path]) -> dict[str, Path]:
-    """cpu artifacts (static IR + optimized ORT graph), built lazily per family."""
-    return _LazyArtifacts(workdir, checkpoints)  # type: ignore[return-value]
+def artifacts(shared: Path, checkpoints: dict[str, Path]) -> dict[str, Path]:
+    """cpu artifacts (static IR + optimized ORT graph), built lazily per family, once per run."""
+    return _LazyArtifacts(shared, checkpoints)  # type: ignore[return-value]
 
 
 class _LazyArtifacts(dict):
@@ -52,10 +80,9 @@ class _LazyArtifacts(dict):
     def __missing__(self, family: str) -> Path:
         from kvexport.build import build
 
-        path = build(self.checkpoints[family], self.workdir / f"{family}.kvx", target="cpu", max_seq=MAX_SEQ,
-                     verify=False)
-        self[family] = path
-        return path
+        self[family] = made_once(self.workdir / f"{family}.kvx", lambda out: build(
+            self.checkpoints[family], out, target="cpu", max_seq=MAX_SEQ, verify=False))
+        return self[family]
 
 
 class HFReference:
@@ -89,8 +116,8 @@ def random_ids(n: int, seed: int = 0) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def intel_builds(workdir: Path, checkpoints: dict[str, Path]) -> dict[str, Path]:
-    """intel artifacts (OpenVINO stateful IR) of the same checkpoints, built lazily per family;
+def intel_builds(shared: Path, checkpoints: dict[str, Path]) -> dict[str, Path]:
+    """intel artifacts (OpenVINO stateful IR) of the same checkpoints, built lazily per family, once per run;
     tests that use one skip where openvino is not installed."""
 
     class _Lazy(dict):
@@ -98,8 +125,8 @@ def intel_builds(workdir: Path, checkpoints: dict[str, Path]) -> dict[str, Path]
             pytest.importorskip("openvino", reason="the intel target needs openvino (pip install 'kvexport[intel]')")
             from kvexport.build import build
 
-            self[family] = build(checkpoints[family], workdir / f"{family}-intel.kvx", target="intel",
-                                 max_seq=MAX_SEQ, verify=False)
+            self[family] = made_once(shared / f"{family}-intel.kvx", lambda out: build(
+                checkpoints[family], out, target="intel", max_seq=MAX_SEQ, verify=False))
             return self[family]
 
     return _Lazy()  # type: ignore[return-value]

@@ -18,8 +18,9 @@ from kvexport.export import decoder_from_ir
 from kvexport.tolerances import tolerance
 from kvexport_amd import AmdBackend, lowering
 
-from conftest import AMD_COMPILED_FAMILIES, AMD_MAX_SEQ, batch_greedy, engine_greedy
+from conftest import AMD_COMPILED_FAMILIES, AMD_MAX_SEQ, PACKAGES, batch_greedy, engine_greedy
 
+pytestmark = PACKAGES
 STEPS = 32
 
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI_FAMILY
+from conftest import CLI_FAMILY, PACKAGES
+
+pytestmark = PACKAGES
 
 
 @pytest.mark.slow

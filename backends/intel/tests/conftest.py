@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from kvexport.testing import made_once, run_folder
 from kvexport.zoo import TINY_CONFIGS, write_checkpoint
 
 INTEL_MAX_SEQ = 128
@@ -16,11 +17,12 @@ def _openvino_or_skip() -> None:
 
 @pytest.fixture(scope="session")
 def intel_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("kvx-intel")
+    """Shared by pytest-xdist's workers: each artifact below is built once per run."""
+    return run_folder(tmp_path_factory, "kvx-intel")
 
 
 class _LazyIntelArtifacts(dict):
-    """family -> (checkpoint folder, intel artifact folder), exported and lowered on first use."""
+    """family -> (checkpoint folder, intel artifact folder), exported and lowered on first use in the run."""
 
     def __init__(self, workdir: Path):
         super().__init__()
@@ -30,9 +32,11 @@ class _LazyIntelArtifacts(dict):
         from kvexport.build import build
 
         _openvino_or_skip()
-        ckpt = write_checkpoint(TINY_CONFIGS[family], self.workdir / f"ckpt-{family}", seed=11)
+        ckpt = made_once(self.workdir / f"ckpt-{family}",
+                         lambda out: write_checkpoint(TINY_CONFIGS[family], out, seed=11))
         # verify=False: the tests below hold the engine to the reference themselves (64 steps)
-        art = build(ckpt, self.workdir / f"{family}-intel.kvx", target="intel", max_seq=INTEL_MAX_SEQ, verify=False)
+        art = made_once(self.workdir / f"{family}-intel.kvx",
+                        lambda out: build(ckpt, out, target="intel", max_seq=INTEL_MAX_SEQ, verify=False))
         self[family] = (ckpt, art)
         return ckpt, art
 
