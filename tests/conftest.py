@@ -17,24 +17,6 @@ FAMILIES = sorted(TINY_CONFIGS)
 MAX_SEQ = 128
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """`--dist loadgroup` for this suite (the README's test command): a test marked xdist_group goes with
-    its group and every other test with its file, so module and session fixtures are built on one worker.
-    (pytest-xdist's own loadgroup hands each unmarked test out alone, as `--dist load` does.)"""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class GroupOrFile(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist appends "@group" to a marked test's id
-                return nodeid.rsplit("@", 1)[-1]
-            return nodeid.split("::", 1)[0]
-
-    return GroupOrFile(config, log)
-
-
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("kvx")

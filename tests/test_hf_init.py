@@ -92,18 +92,22 @@ def hf_builds(tmp_path_factory: pytest.TempPathFactory, hf_checkpoints: dict[str
     return _LazyBuilds(tmp_path_factory.mktemp("hf-init-builds"), hf_checkpoints)  # type: ignore[return-value]
 
 
-# The amd builds (an AOTInductor compile each, ~35-55 s) are one pytest-xdist group apart from the rest of
-# this file, so that under `--dist loadgroup` the two halves can run on two workers at once.
-@pytest.mark.slow
-@pytest.mark.parametrize("target", ["cpu", "intel", pytest.param("amd", marks=pytest.mark.xdist_group("hf-init-amd"))])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_hf_init_checkpoint_builds_and_verifies(family: str, target: str,
-                                                 hf_builds: dict[tuple[str, str], Path]) -> None:
+def built_and_verified(hf_builds: dict[tuple[str, str], Path], family: str, target: str) -> None:
     from kvexport import manifest as mf
 
     m = mf.read(hf_builds[family, target])
     assert m.raw["target"]["backend"] == target and m.raw["target"]["precision"] == "fp32"
     assert m.raw["verification"]["passed"], m.raw["verification"]
+
+
+# amd (an AOTInductor compile per family, 35-55 s each): tests/test_hf_init_amd.py, so that pytest-xdist
+# (--dist loadfile) runs it on one worker while this file runs on the other
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["cpu", "intel"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_init_checkpoint_builds_and_verifies(family: str, target: str,
+                                                 hf_builds: dict[tuple[str, str], Path]) -> None:
+    built_and_verified(hf_builds, family, target)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,11 +22,9 @@ AMD_COMPILED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 AMD_MAX_SEQ = 80  # room for verify's 33-token prompt + 32 decode steps
 AMD_MAX_BATCH = 4
 # The family built through `python -m kvexport build` as a user runs it, not build(): one compile serves
-# test_amd_cli.py (what the command prints) and the tests of its artifact (a minute less than two builds).
+# the test of what the command prints and the tests of its artifact (a minute less than two builds); they
+# are one file (test_amd_build.py), so that pytest-xdist (--dist loadfile) compiles them on one worker.
 CLI_FAMILY = "llama"
-# The test files that use amd_builds' compiled packages: one pytest-xdist group, so that under
-# `--dist loadgroup` one worker compiles each package once and the other never waits on it.
-PACKAGES = pytest.mark.xdist_group("amd-packages")
 
 
 class _LazyBuilds(dict):

@@ -1,7 +1,10 @@
-"""The CPU-compiled AOTInductor package of every tiny family against transformers; packaging and load errors."""
+"""The CPU-compiled AOTInductor package of every tiny family against transformers; packaging and load errors;
+what `kvexport build --target amd` shows a user on stderr (one compile of CLI_FAMILY serves that test and the
+tests of its artifact, in this one file)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import zipfile
@@ -18,9 +21,8 @@ from kvexport.export import decoder_from_ir
 from kvexport.tolerances import tolerance
 from kvexport_amd import AmdBackend, lowering
 
-from conftest import AMD_COMPILED_FAMILIES, AMD_MAX_SEQ, PACKAGES, batch_greedy, engine_greedy
+from conftest import AMD_COMPILED_FAMILIES, AMD_MAX_SEQ, CLI_FAMILY, batch_greedy, engine_greedy
 
-pytestmark = PACKAGES
 STEPS = 32
 
 
@@ -210,3 +212,19 @@ def test_not_an_amd_artifact(copy_of) -> None:
     with pytest.raises(ArtifactError, match="not built for the amd target"):
         AmdBackend().load(folder, m)
     assert json.loads((folder / "manifest.json").read_text())["target"]["backend"] == "amd"
+
+
+@pytest.mark.slow
+def test_cli_build_shows_progress_and_no_raw_warnings(amd_builds) -> None:
+    """torch.export and AOTInductor warn (FutureWarnings, some from compile workers): the CLI sums them up
+    in notice lines and keeps the details in a log; no `path:line: SomeWarning:` line or source line.
+    The command is the one that builds amd_builds[CLI_FAMILY], the artifact the other amd tests use."""
+    out = amd_builds[CLI_FAMILY]
+    r = amd_builds.cli
+    assert r is not None and r.returncode == 0, r
+    assert (out / "manifest.json").is_file()
+    assert "compiling with AOTInductor" in r.stderr and "artifact ready" in r.stderr
+    assert not re.search(r"^\S+:\d+: \w*Warning: |warnings\.warn\(", r.stderr + r.stdout, re.M), r.stderr
+    for notice in (ln for ln in r.stderr.splitlines() if ln.startswith("notice:")):
+        log = Path(notice.split("details in ", 1)[1].split(" or rerun", 1)[0])
+        assert log.parent == amd_builds.cli_logs and log.is_file()
