@@ -56,9 +56,12 @@ def build(
         staging = out.with_name(out.name + ".building")
         shutil.rmtree(staging, ignore_errors=True)
         try:
+            rings_off = backend.rings_off(options) if caps.ring_cache else None
             export_artifact(model_dir, staging, max_seq=max_seq, cache_style=caps.ir_cache_style,
-                            ring=caps.ring_cache, progress=say)
+                            ring=caps.ring_cache and not rings_off, progress=say)
             folder, manifest = open_artifact(staging, verify_hashes=False)
+            if rings_off and any(layer["window"] for layer in manifest.cache["layers"]):
+                say(f"sliding-window layers keep full-length caches: {rings_off}")
             problems = backend.check(manifest)
             if problems:
                 raise InputError(f"target {target!r} cannot lower this model: " + "; ".join(problems))

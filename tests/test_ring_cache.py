@@ -233,3 +233,22 @@ def test_int8_cache_is_refused_for_rings_before_any_work(artifacts: dict[str, Pa
     with pytest.raises(InputError, match="--kv fp32"):
         backends.get("cpu").build(folder, mf.read(folder), BuildOptions(kv="int8"), lambda _m: None)
     assert sorted(p.name for p in folder.rglob("*")) == before
+
+
+def test_int8_cache_build_keeps_sliding_layers_full_length(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    """`kvexport build --kv int8` on a sliding model: the int8 cache (GroupQueryAttention's) has no ring, so the
+    build exports the IR without rings, says so, and the int8 cache covers max_seq in every layer."""
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+
+    said: list[str] = []
+    out = build(checkpoints["mistral"], tmp_path / "m8.kvx", max_seq=MAX_SEQ, options=BuildOptions(kv="int8"),
+                verify=False, progress=said.append)
+    m = mf.read(out)
+    assert RingSpec.of(m) is None and all(x["slots"] != RING_DIM for x in m.cache["layers"])
+    assert m.raw["target"]["kv"]["dtype"] == "int8"
+    assert any("full-length caches" in s and "no ring" in s for s in said), said
+    e = kvexport.load(out, threads=2)
+    b = e.prefill(random_ids(12, seed=3), 4)
+    assert b.logits.shape[-1] == e.config.vocab_size and np.isfinite(b.logits).all()
+    e.session.release(b.state)

@@ -203,6 +203,11 @@ class Backend(ABC):
         given = {k: v for k, v in options.extra.items() if k not in caps.option_aliases}
         return parse_options(caps.options, given, target=self.name, phase="build")
 
+    def rings_off(self, options: BuildOptions) -> str | None:
+        """Why this build keeps sliding-window layers at full length although the target runs ring caches
+        (Capabilities.ring_cache), given the resolved options; None: rings where the model slides."""
+        return None
+
     def weight_bytes(self, folder: Path, manifest: Manifest, weights: str, group_size: int | None) -> int:
         """Bytes of the engine's weights (scales included), for the manifest's target.weights. This default
         estimates from the parameter count; a backend that can count its engine's tensors overrides it."""

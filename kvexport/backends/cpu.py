@@ -83,6 +83,11 @@ class CpuBackend(_Backend):
             return ["onnxruntime is not installed (pip install onnxruntime)"]
         return []
 
+    def rings_off(self, options: BuildOptions) -> str | None:
+        if options.kv == "int8":
+            return "the int8 cache is GroupQueryAttention's quantized cache, which has no ring"
+        return None
+
     def check(self, manifest: Manifest) -> list[str]:
         problems = super().check(manifest)
         if manifest.raw["ir"]["dtype"] != "float32":
@@ -108,8 +113,9 @@ class CpuBackend(_Backend):
             raise InputError(f"the cpu target keeps its KV cache in {' or '.join(self.capabilities().kv_modes)}, "
                              f"not {kv_mode!r}")
         if kv_mode == "int8" and manifest.cache.get("ring"):
-            raise InputError("the cpu target's int8 cache is GroupQueryAttention's, which has no ring, and this model's "
-                             "sliding-window layers keep ring caches; build it with --kv fp32")
+            raise InputError("the cpu target's int8 cache is GroupQueryAttention's, which has no ring, and this IR keeps "
+                             "its sliding-window layers on ring caches: build it with `kvexport build --kv int8`, which "
+                             "exports the model without rings, or keep --kv fp32 for the rings")
         engine = folder / ENGINE_DIR
         engine.mkdir(exist_ok=True)
         progress("lowering attention to ONNX Runtime's GroupQueryAttention and optimizing the graph")
