@@ -138,9 +138,12 @@ class AotiSession(Session):
             masks.append(full)
         if self.ring is not None:
             masks.append(sliding_mask(mask, self.ring.window, self.ring.window))  # (B, 1, S, W+S)
+        # the package reads its inputs at contiguous strides (it checks them only under AOTI_RUNTIME_CHECK_INPUTS):
+        # a ring's piece of a longer step (step's chunks) is a strided view, so each input is copied dense first
+        ids, pos = np.ascontiguousarray(ids), np.ascontiguousarray(pos)
         inputs = [torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev),
-                  torch.full((B,), T, dtype=torch.long, device=dev), *(torch.from_numpy(m).to(dev) for m in masks),
-                  *state.caches]
+                  torch.full((B,), T, dtype=torch.long, device=dev),
+                  *(torch.from_numpy(np.ascontiguousarray(m)).to(dev) for m in masks), *state.caches]
         with self._lock:
             out = self._run(inputs)
         return out[:, -1, :].cpu().numpy()
