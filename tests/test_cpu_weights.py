@@ -25,7 +25,8 @@ from kvexport.verify import HELDOUT_FILE, Reference, VerifyReport, verify_engine
 MAX_SEQ = 256  # text windows of 256 tokens, as the rows were measured
 MODES = {"int8": BuildOptions(weights="int8"), "int4-g32": BuildOptions(weights="auto"),  # auto: int4 g32 here
          "int4-g64": BuildOptions(weights="int4", group_size=64),
-         "int4-g128": BuildOptions(weights="int4", group_size=128)}
+         "int4-g128": BuildOptions(weights="int4", group_size=128),
+         "int4-g32+head-int4": BuildOptions(weights="int4", extra={"lm_head": "int4"})}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,12 @@ def test_each_weight_mode_builds_and_verifies_against_its_row(mode: str, builds:
     bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.graph.node
             if n.op_type == "MatMulNBits"}
     head = [b for name, b in bits.items() if name.startswith("lm_head")]
-    assert head == [8] and set(bits.values()) == ({8} if mode == "int8" else {4, 8})  # lm_head 8-bit under int4
+    if mode.endswith("+head-int4"):
+        assert head == [4] and set(bits.values()) == {4}
+    else:  # lm_head 8-bit under int4 by default
+        assert head == [8] and set(bits.values()) == ({8} if mode == "int8" else {4, 8})
+    # the default model's embeddings are untied: the fp32 table stays (one row a token)
+    assert ops.count("Gather") == 1 and "GatherBlockQuantized" not in ops
     r = _verify(kvexport.load(str(art)), trained, reference)
     print(mode, r.text, r.failures)
     assert r.text["source"] == HELDOUT_FILE and r.mode == "teacher-forced"
@@ -100,7 +106,9 @@ def test_weight_bytes_shrink_with_the_mode(builds: _Builds) -> None:
     w = {m: open_artifact(builds[m])[1].target["weights"] for m in ("int8", "int4-g32", "int4-g128")}
     m = open_artifact(builds["int8"])[1]
     fp32 = 4 * m.raw["model"]["num_parameters"]
-    # the embedding table stays fp32 (a Gather reads one row a token); the matmul weights shrink
+    # the default model's embeddings are untied: its table stays fp32 (a Gather reads one row a token); the
+    # matmul weights shrink (tied tables share the lm_head's blocks: test_cpu_tied_embeddings.py)
+    assert all(v["embeddings"].startswith("fp32 Gather (untied") for v in w.values())
     emb = 4 * m.config.vocab_size * m.config.hidden_size
     assert (w["int8"]["bytes"] - emb) < 0.3 * (fp32 - emb)
     assert (w["int4-g32"]["bytes"] - emb) < 0.2 * (fp32 - emb)

@@ -9,10 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from kvexport.backends import AutoMode, BuildOptions, Capabilities, Progress
+from kvexport.backends import AutoMode, BuildOptions, Capabilities, Option, Progress
 from kvexport.backends import Backend as _Backend
 from kvexport.backends.cpu_quant import BITS as CPU_BITS
 from kvexport.backends.cpu_quant import DEFAULT_GROUP_SIZE as CPU_DEFAULT_GROUP_SIZE
+from kvexport.backends.cpu_quant import LM_HEAD_MODES
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import ArtifactError, InputError
 from kvexport.manifest import Manifest
@@ -25,6 +26,11 @@ FUSED_TMP = "model.fused.tmp.onnx"
 OPT_MODEL = "model.opt.onnx"
 OPT_DATA = "model.opt.onnx.data"
 ORT_CACHE_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
+OPTIONS = (
+    Option("lm_head", "str", None, "the lm_head's bits under --weights int4: int8 (the default: the logits' "
+           "projection is the most sensitive matmul) or int4 (fewer bytes a token, as onnxruntime-genai's "
+           "int4 builds)", choices=tuple(LM_HEAD_MODES)),
+)
 
 
 def default_threads() -> int:
@@ -74,7 +80,27 @@ class CpuBackend(_Backend):
             ring_cache=True,  # ring layers stay unfused Attention-24 + TensorScatter circular (GroupQueryAttention has no ring)
             devices=("cpu",),
             sdk=("onnxruntime",),
+            options=OPTIONS,
         )
+
+    def build_options(self, options: BuildOptions) -> dict[str, Any]:
+        """--option lm_head= applies to int4 weights, at the group sizes whose int4 lm_head has a tolerance row."""
+        from kvexport.tolerances import TOLERANCES, mode_key
+
+        typed = super().build_options(options)
+        head = typed["lm_head"]
+        weights = options.weights or options.precision or "fp32"
+        if head is not None and weights != "auto":
+            if weights != "int4":
+                raise InputError(f"--option lm_head={head} sets the lm_head's bits under --weights int4; with "
+                                 f"--weights {weights} the lm_head takes the weights' own precision: drop the option")
+            group = options.group_size or CPU_DEFAULT_GROUP_SIZE["int4"]
+            key = mode_key("int4", group, options.kv or "fp32", lm_head=head)
+            if ("cpu", key) not in TOLERANCES:
+                rows = ", ".join(sorted(k for t, k in TOLERANCES if t == "cpu" and "head" in k))
+                raise InputError(f"the cpu target has no tolerance row for {key}, so nothing could verify it "
+                                 f"(rows with an lm_head option: {rows}); use --group-size 32 or drop the option")
+        return typed
 
     def availability(self) -> list[str]:
         try:
@@ -142,7 +168,8 @@ class CpuBackend(_Backend):
             from kvexport.backends.cpu_quant import quantize_engine
 
             assert group_size is not None
-            quant = quantize_engine(engine / OPT_MODEL, OPT_DATA, precision, group_size, read_cpu_flags(), progress)
+            quant = quantize_engine(engine / OPT_MODEL, OPT_DATA, precision, group_size, read_cpu_flags(), progress,
+                                    head_mode=self.build_options(options)["lm_head"])
         manifest.raw["target"] = {
             "backend": "cpu",
             "precision": precision,

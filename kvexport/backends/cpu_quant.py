@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     import onnx
 
@@ -14,6 +16,7 @@ BITS = {"int8": 8, "int4": 4}  # the weight modes this module makes
 # int4: 32, as onnxruntime-genai's model builder; int8: 32 too (docs/backends/cpu.md has the measurement)
 DEFAULT_GROUP_SIZE = {"int4": 32, "int8": 32}
 LM_HEAD_BITS_UNDER_INT4 = 8  # the logits' projection is the most sensitive matmul; 8 bits as genai's builder
+LM_HEAD_MODES = {"int8": 8, "int4": 4}  # --option lm_head= under --weights int4
 # int8 dot products in hardware: MatMulNBits then quantizes activations per block and multiplies in int8
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
@@ -28,8 +31,8 @@ def accuracy_level(flags: set[str]) -> tuple[int, str]:
     return 4, "accuracy_level 4 (int8 compute): measured faster than 0 (fp32 compute) on AVX2 without VNNI"
 
 
-def lm_head(model: onnx.ModelProto, output: str = "logits") -> str | None:
-    """The MatMul that makes `output` (the first one met walking back from it), or None."""
+def lm_head(model: onnx.ModelProto, output: str = "logits", op_type: str = "MatMul") -> onnx.NodeProto | None:
+    """The `op_type` node that makes `output` (the first one met walking back from it), or None."""
     producer = {o: n for n in model.graph.node for o in n.output}
     todo, seen = [output], set()
     while todo:
@@ -38,10 +41,62 @@ def lm_head(model: onnx.ModelProto, output: str = "logits") -> str | None:
         if node is None or node.name in seen:
             continue
         seen.add(node.name)
-        if node.op_type == "MatMul":
-            return node.name
+        if node.op_type == op_type:
+            return node
         todo.extend(node.input)
     return None
+
+
+def tied_embedding(model: onnx.ModelProto, head: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The Gather that reads the token embeddings when its (V, H) table holds the lm_head's (H, V) weight
+    transposed (tied embeddings, compared value by value), else None."""
+    inits = {t.name: t for t in model.graph.initializer}
+    weight = inits.get(head.input[1])
+    if weight is None or len(weight.dims) != 2:
+        return None
+    for node in model.graph.node:
+        table = inits.get(node.input[0]) if node.op_type == "Gather" and node.input else None
+        if table is not None and list(table.dims) == list(weight.dims)[::-1] and _same_transposed(table, weight):
+            return node
+    return None
+
+
+def _same_transposed(table: onnx.TensorProto, weight: onnx.TensorProto, rows: int = 4096) -> bool:
+    """table == weight.T, compared in slices of rows over zero-copy views (a 1B model's table is 1 GB)."""
+    from onnx import numpy_helper
+
+    def view(t: onnx.TensorProto) -> np.ndarray:
+        if t.data_type == 1 and t.raw_data:  # FLOAT
+            return np.frombuffer(t.raw_data, np.float32).reshape(tuple(t.dims))
+        return numpy_helper.to_array(t)
+
+    a, b = view(table), view(weight)
+    return all(np.array_equal(a[i:i + rows], b[:, i:i + rows].T) for i in range(0, a.shape[0], rows))
+
+
+def share_with_head(model: onnx.ModelProto, gather: onnx.NodeProto, head: onnx.NodeProto) -> str:
+    """Replace the embedding `gather` by GatherBlockQuantized over the lm_head MatMulNBits' own blocks and
+    scales (one quantized table for both, as onnxruntime-genai's builder ties them; exact against the
+    head's dequantized rows) and drop the fp32 table. Returns what the manifest records."""
+    from onnx import helper, numpy_helper
+
+    attrs = {a.name: a.i for a in head.attribute}
+    vocab, hidden, bits, block = attrs["N"], attrs["K"], attrs["bits"], attrs["block_size"]
+    table = gather.input[0]
+    shape = numpy_helper.from_array(np.array([vocab, hidden * bits // 8], np.int64), f"{head.input[1]}_rows")
+    rows = f"{head.input[1]}_as_rows"
+    nodes = [helper.make_node("Reshape", [head.input[1], shape.name], [rows], name=f"{gather.name}/rows"),
+             helper.make_node("GatherBlockQuantized", [rows, gather.input[1], head.input[2]], list(gather.output),
+                              name=f"{gather.name}/GatherBlockQuantized", domain="com.microsoft", bits=bits,
+                              block_size=block, gather_axis=0, quantize_axis=1)]
+    at = list(model.graph.node).index(gather)
+    model.graph.node.remove(gather)
+    for i, node in enumerate(nodes):
+        model.graph.node.insert(at + i, node)
+    model.graph.initializer.append(shape)
+    if not any(table in n.input for n in model.graph.node):
+        model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == table))
+    return f"GatherBlockQuantized over the lm_head's {bits}-bit blocks (tied)"
 
 
 def _quantize(model: onnx.ModelProto, bits: int, group_size: int, level: int, *, include: list[str] | None = None,
@@ -57,27 +112,37 @@ def _quantize(model: onnx.ModelProto, bits: int, group_size: int, level: int, *,
 
 
 def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: int, flags: set[str],
-                    progress: Callable[[str], None]) -> dict[str, Any]:
+                    progress: Callable[[str], None], head_mode: str | None = None) -> dict[str, Any]:
     """Rewrite the optimized graph at model_path (external data in data_name beside it) with every MatMul on a
-    constant weight as MatMulNBits: `weights` bits (int4: the lm_head at 8), RTN, symmetric, blocks of
-    group_size along K. Returns the record for the manifest's target.weights."""
+    constant weight as MatMulNBits: `weights` bits (int4: the lm_head at 8, or at `head_mode`), RTN,
+    symmetric, blocks of group_size along K. Tied embeddings then read the lm_head's blocks through
+    GatherBlockQuantized. Returns the record for the manifest's target.weights."""
     import onnx
 
     level, why = accuracy_level(flags)
     t0 = time.perf_counter()
     model = onnx.load(str(model_path))  # the weights too: the quantizer reads them
-    head = lm_head(model)
+    head_node = lm_head(model)
+    head = head_node.name if head_node is not None else None
+    tied = tied_embedding(model, head_node) if head_node is not None else None
     quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     before, quiet.level = quiet.level, logging.WARNING  # one INFO line per node otherwise
     try:
         bits = BITS[weights]
-        head_bits = LM_HEAD_BITS_UNDER_INT4 if bits == 4 else bits
+        head_bits = LM_HEAD_MODES[head_mode or "int8"] if bits == 4 else bits
         keep_apart = [head] if head is not None and head_bits != bits else None
         model = _quantize(model, bits, group_size, level, exclude=keep_apart)
         if keep_apart:
             model = _quantize(model, head_bits, group_size, level, include=keep_apart)
     finally:
         quiet.setLevel(before)
+    embeddings = "fp32 Gather (untied: it reads one row a token, no speed to gain)"
+    quantized_head = lm_head(model, op_type="MatMulNBits")
+    if tied is not None and quantized_head is not None:
+        if next(a.i for a in quantized_head.attribute if a.name == "K") % group_size:
+            embeddings = "fp32 Gather (tied, but the hidden size is no multiple of the group: padded blocks)"
+        else:
+            embeddings = share_with_head(model, tied, quantized_head)
     matmuls = sum(n.op_type == "MatMul" for n in model.graph.node)
     nbits = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
     (model_path.parent / data_name).unlink(missing_ok=True)  # onnx appends to an existing data file
@@ -87,4 +152,4 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
              f"{why}) in {time.perf_counter() - t0:.1f}s")
     return {"method": "rtn", "symmetric": True, "accuracy_level": level, "accuracy_level_reason": why,
             "lm_head_bits": head_bits if head is not None else None, "matmulnbits_nodes": nbits,
-            "float_matmuls_left": matmuls, "embeddings": "fp32 Gather"}
+            "float_matmuls_left": matmuls, "embeddings": embeddings}
