@@ -10,6 +10,7 @@ from typing import Any
 from kvexport.backends import Backend, BuildOptions, Capabilities, Option, Progress
 from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, UnsupportedFeatureError
 from kvexport.manifest import Manifest
+from kvexport.runtime.ring import RingSpec
 
 from kvexport_nvidia import fingerprint as fp
 from kvexport_nvidia.lowering import lower_file
@@ -146,9 +147,11 @@ class NvidiaBackend(Backend):
         mode = f"{weights} weights" + (f" (group {group_size})" if group_size else "") + f" over {precision}" \
             if quantized else precision
         progress(f"lowering the IR for TensorRT ({mode}, cache pinned to max_seq {manifest.max_seq})")
+        ring = RingSpec.of(manifest)
         report = lower_file(folder / manifest.raw["ir"]["file"], engine_dir / PREPARED, max_seq=manifest.max_seq,
                             precision=precision, pairs=manifest.kv_pairs(),  # type: ignore[arg-type]
-                            weights=weights if quantized else None, group_size=group_size)  # type: ignore[arg-type]
+                            weights=weights if quantized else None, group_size=group_size,  # type: ignore[arg-type]
+                            ring_len=ring.length(manifest.max_seq) if ring else None)
         files = [f"{ENGINE_DIR}/{PREPARED}", f"{ENGINE_DIR}/{PREPARED}.data"]
         target_options: dict[str, Any] = {
             **build_opts, "deferred": defer, "profiles": [p.to_dict() for p in profiles], "lowering": report.to_dict(),
@@ -161,7 +164,7 @@ class NvidiaBackend(Backend):
 
             info = probe_device()
             plan = build_engine(engine_dir / PREPARED, profiles, workspace_bytes=_mb(build_opts["workspace_mb"]),
-                                progress=progress)
+                                progress=progress, fp32_layers=report.fp32_layers)
             (engine_dir / PLAN).write_bytes(plan)
             files.append(f"{ENGINE_DIR}/{PLAN}")
             fingerprint = info.fingerprint()
@@ -218,7 +221,7 @@ class NvidiaBackend(Backend):
         profiles = profiles_from_target(target)
         say(f"building the engine into {entry_dir}")
         plan = build_engine(folder / ENGINE_DIR / PREPARED, profiles, workspace_bytes=_mb(build_opts["workspace_mb"]),
-                            progress=say)
+                            progress=say, fp32_layers=target["options"].get("lowering", {}).get("fp32_layers", ()))
         entry_dir.mkdir(parents=True, exist_ok=True)
         tmp = plan_path.with_suffix(".partial")
         tmp.write_bytes(plan)
@@ -240,7 +243,8 @@ class NvidiaBackend(Backend):
         target = manifest.target or {}
         return TrtSession(engine, runtime, pairs=manifest.kv_pairs(), profiles=profiles_from_target(target),
                           max_seq=manifest.max_seq, vocab_size=manifest.config.vocab_size, device_index=device,
-                          cuda_graph=cuda_graph, info={"precision": target.get("precision"), **info.fingerprint()})
+                          cuda_graph=cuda_graph, info={"precision": target.get("precision"), **info.fingerprint()},
+                          ring=RingSpec.of(manifest))
 
     def doctor(self) -> dict[str, Any]:
         smi, why = fp.nvidia_smi()

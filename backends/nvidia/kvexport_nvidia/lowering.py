@@ -11,7 +11,7 @@ which is how the tests hold them to the reference.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -21,7 +21,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kvexport.errors import UnsupportedFeatureError
+from kvexport_nvidia.graph import all_nodes as _all_nodes
+from kvexport_nvidia.graph import attr as _attr
+from kvexport_nvidia.graph import rewrite_nodes as _rewrite_nodes
+from kvexport_nvidia.graph import subgraphs as _subgraphs
 from kvexport_nvidia.quantize import WeightMode, check_mode, initializer_bytes, quantize_weights
+from kvexport_nvidia.rings import circular_to_scatter, is_circular, pin_ring_len
+from kvexport_nvidia.router import cast_islands, find_routers
 
 Precision = Literal["fp16", "bf16", "fp32"]
 ELEM = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16, "fp32": TensorProto.FLOAT}
@@ -42,6 +48,7 @@ PARSER_OPS = frozenset({
     # experts (decode) or the dense form (If: both branches' outputs of the same rank, different names)
     "Gemm", "GatherND", "If",
     "Less", "And",  # a sliding-window layer's band of the mask
+    "Mod",  # a ring's write rows (rings.py): ScatterElements at (write_index + arange(S)) mod R
 })
 
 
@@ -56,6 +63,9 @@ class LoweringReport:
     attention_outputs_trimmed: int = 0
     identities_folded: int = 0
     fp16_clipped: int = 0
+    ring_len: int | None = None  # slots of the sliding layers' rings (None: no rings)
+    ring_scatters: int = 0  # circular TensorScatter nodes written as ScatterElements (rings.py)
+    fp32_layers: list[str] = field(default_factory=list)  # nodes kept fp32 in an fp16/bf16 graph: MoE routers
     ops: dict[str, int] = field(default_factory=dict)
     weights: dict | None = None  # quantize.WeightReport of an int8/int4 build
     initializer_bytes: int = 0  # weights (int4 at half a byte), scales and tables of the prepared graph
@@ -101,22 +111,6 @@ def _rope_bnsh(g: onnx.GraphProto, node: onnx.NodeProto, count: int) -> list[onn
         helper.make_node("Transpose", [rot_bnsh], [rot_bsnh], perm=[0, 2, 1, 3], name=f"{n}/Transpose_out"),  # (B, S, N, H)
         helper.make_node("Reshape", [rot_bsnh, shape_out], [y], name=f"{n}/Reshape_out"),  # (B, S, N*H)
     ]
-
-
-def _rewrite_nodes(model: onnx.ModelProto,
-                   rewrite: Callable[[onnx.GraphProto, onnx.NodeProto, int], list[onnx.NodeProto] | None]) -> int:
-    """Each node for which rewrite(graph, node, rewritten so far) returns nodes is replaced by them, in place;
-    returns how many were replaced."""
-    g = model.graph
-    new_nodes: list[onnx.NodeProto] = []
-    count = 0
-    for node in g.node:
-        out = rewrite(g, node, count)
-        new_nodes += [node] if out is None else out
-        count += out is not None
-    del g.node[:]
-    g.node.extend(new_nodes)
-    return count
 
 
 def decompose_softcapped_attention(model: onnx.ModelProto) -> int:
@@ -221,9 +215,10 @@ def fold_cache_identities(model: onnx.ModelProto) -> int:
     return folded
 
 
-def check_cache_io(model: onnx.ModelProto, pairs: list[tuple[str, str]]) -> None:
+def check_cache_io(model: onnx.ModelProto, pairs: list[tuple[str, str]], rings: bool = False) -> None:
     """Every TensorScatter reads a network input and writes its paired network output, so that
-    present can be bound to past's device address (the layer updates the cache in place)."""
+    present can be bound to past's device address (the layer updates the cache in place). rings: the
+    manifest keeps sliding layers on rings, whose TensorScatter is circular (rewritten by rings.py)."""
     g = model.graph
     inputs = {i.name for i in g.input}
     outputs = {o.name for o in g.output}
@@ -243,8 +238,10 @@ def check_cache_io(model: onnx.ModelProto, pairs: list[tuple[str, str]]) -> None
                 f"{node.name}: cache {cache!r} is written to {out!r}, but the manifest pairs it with "
                 f"{want.get(cache)!r}; the artifact's IR and manifest disagree, rebuild it"
             )
-        if _attr(node, "axis", -2) != -2 or _attr(node, "mode", b"linear") not in (b"linear", "linear"):
-            raise UnsupportedFeatureError(f"{node.name}: TensorRT imports TensorScatter with axis=-2, mode=linear only")
+        if _attr(node, "axis", -2) != -2 or (_attr(node, "mode", b"linear") not in (b"linear", "linear")
+                                             and not (rings and is_circular(node))):
+            raise UnsupportedFeatureError(f"{node.name}: TensorRT imports TensorScatter with axis=-2, mode=linear only "
+                                          "(a ring's circular write needs the manifest's ring entry)")
         seen.add(cache)
     missing = sorted(set(want) - seen)
     if missing:
@@ -268,17 +265,18 @@ def check_ops(model: onnx.ModelProto) -> dict[str, int]:
     return dict(sorted(ops.items()))
 
 
-def convert_precision(model: onnx.ModelProto, precision: Precision) -> int:
+def convert_precision(model: onnx.ModelProto, precision: Precision, keep: Collection[str] = ()) -> int:
     """fp32 IR -> fp16/bf16 graph: weights, constants, casts and the cache I/O change dtype; the
     logits are cast back to fp32 at the end. TensorRT 11 takes precision from these dtypes, and a
-    strongly typed network on 10.x does too. Returns how many fp16 weights were clipped to +-65504."""
+    strongly typed network on 10.x does too. Initializers named in `keep` stay fp32 (the routers'
+    islands, kvexport_nvidia.router). Returns how many fp16 weights were clipped to +-65504."""
     if precision == "fp32":
         return 0
     target = ELEM[precision]
     g = model.graph
     clipped = 0
     for i, init in enumerate(g.initializer):
-        if init.data_type == TensorProto.FLOAT:
+        if init.data_type == TensorProto.FLOAT and init.name not in keep:
             new, c = _convert_tensor(init, precision)
             g.initializer[i].CopyFrom(new)
             clipped += c
@@ -320,7 +318,8 @@ def convert_precision(model: onnx.ModelProto, precision: Precision) -> int:
 
 # --- the whole lowering ---------------------------------------------------------------------
 def lower(model: onnx.ModelProto, *, max_seq: int, precision: Precision, pairs: list[tuple[str, str]],
-          check: bool = True, weights: WeightMode | None = None, group_size: int | None = None) -> LoweringReport:
+          check: bool = True, weights: WeightMode | None = None, group_size: int | None = None,
+          ring_len: int | None = None) -> LoweringReport:
     """Run every pass in place, in order; raise UnsupportedFeatureError before any engine build.
     weights int8/int4: MatMul weights through DequantizeLinear (kvexport_nvidia.quantize), from the
     fp32 values, before the float weights and the scales become `precision`."""
@@ -331,12 +330,20 @@ def lower(model: onnx.ModelProto, *, max_seq: int, precision: Precision, pairs: 
     report.ops = check_ops(model)
     report.attention_outputs_trimmed = trim_attention_outputs(model)
     report.identities_folded = fold_cache_identities(model)
-    check_cache_io(model, pairs)
+    check_cache_io(model, pairs, rings=ring_len is not None)
     pin_cache_len(model, max_seq)
+    if ring_len is not None:
+        report.ring_len = ring_len
+        pin_ring_len(model, ring_len)
+        report.ring_scatters = circular_to_scatter(model, ring_len)
     report.rope_rewritten = rope_to_bnsh(model)
     if weights is not None:
         report.weights = quantize_weights(model, weights, group_size).to_dict()
-    report.fp16_clipped = convert_precision(model, precision)
+    routers = find_routers(model) if precision != "fp32" else None  # MoE routing stays fp32 (router.py)
+    report.fp16_clipped = convert_precision(model, precision, keep=routers.initializers if routers else ())
+    if routers is not None:
+        cast_islands(model, routers, ELEM[precision])
+        report.fp32_layers = routers.nodes
     report.initializer_bytes = initializer_bytes(model)
     if check:
         onnx.checker.check_model(model, full_check=False)
@@ -344,11 +351,12 @@ def lower(model: onnx.ModelProto, *, max_seq: int, precision: Precision, pairs: 
 
 
 def lower_file(src: Path, dst: Path, *, max_seq: int, precision: Precision, pairs: list[tuple[str, str]],
-               weights: WeightMode | None = None, group_size: int | None = None) -> LoweringReport:
+               weights: WeightMode | None = None, group_size: int | None = None,
+               ring_len: int | None = None) -> LoweringReport:
     """Read the artifact's IR (with its external weights), lower it, write dst + dst.data."""
     model = onnx.load(str(src), load_external_data=True)
     report = lower(model, max_seq=max_seq, precision=precision, pairs=pairs, check=False, weights=weights,
-                   group_size=group_size)
+                   group_size=group_size, ring_len=ring_len)
     dst.parent.mkdir(parents=True, exist_ok=True)
     data = dst.name + ".data"
     (dst.parent / data).unlink(missing_ok=True)
@@ -359,28 +367,6 @@ def lower_file(src: Path, dst: Path, *, max_seq: int, precision: Precision, pair
 
 
 # --- helpers --------------------------------------------------------------------------------
-def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def _subgraphs(g: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """Every graph nested in g's nodes' attributes (an If's then/else branches), depth first."""
-    for n in g.node:
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                yield a.g
-                yield from _subgraphs(a.g)
-
-
-def _all_nodes(g: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    yield from g.node
-    for sub in _subgraphs(g):
-        yield from sub.node
-
-
 def _consumed(model: onnx.ModelProto) -> set[str]:
     used = {name for n in model.graph.node for name in n.input}
     return used | {o.name for o in model.graph.output}

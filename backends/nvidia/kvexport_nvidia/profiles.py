@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvexport.errors import InputError
 from kvexport.manifest import Manifest
+from kvexport.runtime.ring import MASK_INPUT, RingSpec
 
 Shape = tuple[int, ...]
 PREFILL, DECODE = 0, 1  # profile indices in the engine (the runtime selects by these)
@@ -29,9 +30,12 @@ class Profile:
 
 
 def _input_shapes(m: Manifest, batch: int, seq: int) -> dict[str, Shape]:
-    """Concrete shape of every IR input for `batch` rows of `seq` new tokens, cache at max_seq."""
+    """Concrete shape of every IR input for `batch` rows of `seq` new tokens, cache at max_seq (a sliding
+    layer's ring at its R = min(window, max_seq) slots, its mask over the ring and the new rows)."""
     c = m.cache
     max_seq = m.max_seq
+    ring = RingSpec.of(m)
+    R = ring.length(max_seq) if ring else 0
     shapes: dict[str, Shape] = {}
     for spec in m.inputs:
         name = spec["name"]
@@ -41,8 +45,12 @@ def _input_shapes(m: Manifest, batch: int, seq: int) -> dict[str, Shape]:
             shapes[name] = (batch,)
         elif name == "attention_mask":
             shapes[name] = (batch, 1, seq, max_seq)  # (B, 1, S, S_max): the explicit bool mask
+        elif name == MASK_INPUT and ring:
+            shapes[name] = (batch, 1, seq, R + seq)  # (B, 1, S, R+S): the ring, then the new rows
         elif name.startswith("past_key_values."):
-            shapes[name] = (batch, c["kv_heads"], max_seq, c["head_dim"])  # (B, H_kv, S_max, D)
+            layer = int(name.split(".")[1])
+            slots = R if ring and layer in ring.layers else max_seq
+            shapes[name] = (batch, c["kv_heads"], slots, c["head_dim"])  # (B, H_kv, S_max or R, D)
         else:
             raise InputError(f"IR input {name!r} is not part of the static-cache contract; rebuild the artifact")
     return shapes
@@ -59,6 +67,9 @@ def make_profiles(m: Manifest, *, max_batch: int, max_prefill: int | None = None
         raise InputError(f"max_batch must be >= 1 (got {max_batch})")
     if not 1 <= max_prefill <= max_seq:
         raise InputError(f"max_prefill must be within 1..max_seq={max_seq} (got {max_prefill})")
+    ring = RingSpec.of(m)
+    if ring is not None:  # a ring takes at most its R slots of new rows a step: the runtime cuts longer prefills
+        max_prefill = min(max_prefill, ring.length(max_seq))
     opt_prefill = min(max_prefill, 128) if opt_prefill is None else opt_prefill
     if not 1 <= opt_prefill <= max_prefill:
         raise InputError(f"opt_prefill must be within 1..max_prefill={max_prefill} (got {opt_prefill})")

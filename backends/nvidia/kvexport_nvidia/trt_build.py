@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +82,9 @@ def parser_errors(parser: Any) -> list[str]:
 
 
 def build_engine(onnx_path: Path, profiles: list[Profile], *, workspace_bytes: int | None = None,
-                 progress: Callable[[str], None] | None = None) -> bytes:
-    """Parse the lowered ONNX file, add the profiles, build and return the serialized plan."""
+                 progress: Callable[[str], None] | None = None, fp32_layers: Collection[str] = ()) -> bytes:
+    """Parse the lowered ONNX file, add the profiles, build and return the serialized plan.
+    fp32_layers: the ONNX nodes the lowering kept fp32 (MoE routers); their parsed layers must be fp32."""
     say = progress or (lambda _m: None)
     trt = import_tensorrt()
     log: list[str] = []
@@ -100,6 +101,7 @@ def build_engine(onnx_path: Path, profiles: list[Profile], *, workspace_bytes: i
             + "\nThe graph came out of kvexport's lowering passes: please report this with the output of `kvexport doctor`."
         )
     _check_network_io(network, profiles)
+    check_fp32_layers(trt, network, fp32_layers)
     config = builder.create_builder_config()
     if workspace_bytes:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
@@ -127,6 +129,32 @@ def _check_network_io(network: Any, profiles: list[Profile]) -> None:
     if names != want:
         raise EngineBuildError(
             f"the parsed network's inputs {sorted(names ^ want)} differ from the manifest's; rebuild the artifact"
+        )
+
+
+def check_fp32_layers(trt: Any, network: Any, nodes: Collection[str]) -> None:
+    """The strongly typed network takes each layer's type from the ONNX dtypes: the layers the parser made
+    of the nodes kept fp32 (the parser names a layer after its node, with a suffix where a node makes
+    several) must have fp32 outputs, or TensorRT would route the experts in fp16."""
+    if not nodes:
+        return
+    wanted, seen, wrong = set(nodes), set(), []
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        node = next((n for n in wanted if layer.name == n or layer.name.startswith(n + "_")), None)
+        if node is None:
+            continue
+        seen.add(node)
+        for j in range(layer.num_outputs):
+            out = layer.get_output(j)
+            if out.dtype not in (trt.float32, trt.int32, trt.int64):  # TopK's indices are integers
+                wrong.append(f"{layer.name} output {j} is {out.dtype}")
+    missing = sorted(wanted - seen)
+    if wrong or missing:
+        raise EngineBuildError(
+            "the MoE router layers must run in fp32 in the TensorRT network: "
+            + "; ".join(wrong + [f"no layer for node {n!r}" for n in missing[:4]])
+            + ". The prepared graph came from an older kvexport or was edited: rebuild the artifact."
         )
 
 

@@ -14,14 +14,16 @@ from kvexport_nvidia.backend import ENGINE_DIR, PREPARED, NvidiaBackend
 from nvidia_ort_twin import OrtTwinSession
 
 
-# fp16 routing: the fp16 graph routes in fp16 (every Cast to float becomes fp16), and qwen3_moe's tiny model (top-2
-# of 4 experts, no renormalisation) measured text mean KL 4.0e-5 and max KL 0.015 against fp32 transformers
-# (limits 2e-5 / 1e-3); the nvidia target builds no fp32 graph. Known and open: an fp32 router is the fix.
-FP16_ROUTING_OFF = pytest.mark.xfail(strict=True, reason="qwen3_moe routed in fp16 exceeds the fp16 KL limits")
+# The routers run in fp32 (kvexport_nvidia.router); what still fails is a near tie of this random-weight model,
+# measured: at one teacher-forced position of the built-in text the fp32 reference's 2nd and 3rd experts differ by
+# 5e-5 in probability (0.25225 / 0.25231), the fp16 residual stream entering the router moves them by ~1e-4, the
+# second expert flips and that position's KL is 0.015 (row: max 1e-3; mean 2.4e-5 against 2e-5). Mixtral passes.
+ROUTER_NEAR_TIE = pytest.mark.xfail(strict=True, reason="qwen3_moe's tiny random router has a 5e-5 near tie that "
+                                                        "the fp16 residual stream flips (fp32 router measured)")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [pytest.param(f, marks=FP16_ROUTING_OFF) if f == "qwen3_moe" else f
+@pytest.mark.parametrize("family", [pytest.param(f, marks=ROUTER_NEAR_TIE) if f == "qwen3_moe" else f
                                     for f in sorted(set(TINY_CONFIGS) - {"llama"})])  # llama: test_nvidia_backend
 def test_family_lowers_and_verifies(family: str, tmp_path: Path) -> None:
     from kvexport.runtime.engine import Engine

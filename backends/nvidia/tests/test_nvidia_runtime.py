@@ -59,6 +59,7 @@ def _session(alias: dict[str, str] | None = None, max_seq: int = 16) -> TrtSessi
     s._engine = FakeEngine(alias if alias is not None else {present: past for past, present in PAIRS})
     s._io = set(s._engine.names)
     s.pairs, s.max_seq, s.vocab_size = PAIRS, max_seq, 10
+    s.ring, s.limit = None, max_seq
     return s
 
 

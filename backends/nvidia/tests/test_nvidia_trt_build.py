@@ -157,3 +157,25 @@ def test_network_inputs_must_match_the_profiles(monkeypatch: pytest.MonkeyPatch,
 
 def test_module_never_imports_tensorrt_at_import() -> None:
     assert "tensorrt" not in vars(trt_build)
+
+
+def test_router_layers_parsed_in_fp16_are_refused() -> None:
+    """The strongly typed network's router layers must come out fp32 (the lowering's Casts say so)."""
+    trt = types.SimpleNamespace(float32="DataType.FLOAT", float16="DataType.HALF", int32="DataType.INT32",
+                                int64="DataType.INT64")
+
+    def network(dtypes: dict[str, list[str]]) -> Any:
+        layers = [types.SimpleNamespace(name=name, num_outputs=len(d),
+                                        get_output=lambda j, d=d: types.SimpleNamespace(dtype=d[j]))
+                  for name, d in dtypes.items()]
+        return types.SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
+
+    nodes = ["layers.1.mlp.router/Gemm_0", "layers.1.mlp/TopK_0"]
+    ok = network({"layers.1.mlp.router/Gemm_0": [trt.float32], "layers.1.mlp/TopK_0": [trt.float32, trt.int32],
+                  "layers.1.mlp/If_0": [trt.float16]})
+    trt_build.check_fp32_layers(trt, ok, nodes)
+    half = network({"layers.1.mlp.router/Gemm_0_1": [trt.float16], "layers.1.mlp/TopK_0": [trt.float32, trt.int64]})
+    with pytest.raises(EngineBuildError, match=r"Gemm_0_1 output 0 is DataType.HALF"):
+        trt_build.check_fp32_layers(trt, half, nodes)
+    with pytest.raises(EngineBuildError, match=r"no layer for node 'layers.1.mlp/TopK_0'"):
+        trt_build.check_fp32_layers(trt, network({"layers.1.mlp.router/Gemm_0": [trt.float32]}), nodes)
