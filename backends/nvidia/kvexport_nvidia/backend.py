@@ -69,6 +69,7 @@ class NvidiaBackend(Backend):
                         "CUDA-graph decode (NVIDIA GPU, TensorRT >= 10.15)",
             ir_cache_style="static",
             cache_policy="fixed",  # IKVCacheUpdateLayer and graph capture need the static max_seq cache
+            ring_cache=True,  # sliding layers: a ring of min(window, max_seq) slots written by IScatterLayer (rings.py)
             # int8/int4: weight-only, DequantizeLinear on the weights (kvexport_nvidia.quantize); int8 per channel
             precisions=("fp16", "bf16", "int8", "int4"),
             default_precision="fp16",

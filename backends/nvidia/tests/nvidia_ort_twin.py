@@ -15,7 +15,9 @@ import onnxruntime as ort
 
 from kvexport.errors import ContextOverflowError
 from kvexport.manifest import Manifest
+from kvexport.runtime.ring import RingSpec, chunks
 from kvexport.runtime.session import Session
+from kvexport_nvidia.runtime import step_feeds
 
 MAX_SEQ = 64  # the tiny test artifacts cache length
 NP = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
@@ -48,19 +50,33 @@ class OrtTwinSession(Session):
         types = {i.name: i.type for i in self.sess.get_inputs()}
         self.cache_dtype = NP[types[self.pairs[0][0]]]
         c = manifest.cache
-        self.cache_shape = (c["kv_heads"], self.max_seq, c["head_dim"])
+        self.ring = RingSpec.of(manifest)  # sliding layers on rings of R = min(window, max_seq) slots
+        self.limit = self.ring.limit(self.max_seq) if self.ring else self.max_seq
+        self.slots = [self.ring.length(self.max_seq) if self.ring and self.ring.is_ring(k) else self.max_seq
+                      for k in range(len(self.pairs))]
+        self.head = (c["kv_heads"], c["head_dim"])
+        self.full_mask = "attention_mask" in {i.name for i in self.sess.get_inputs()}
 
     def new_state(self, batch: int, capacity: int) -> TwinState:
-        if capacity > self.max_seq:  # as the TensorRT session does
-            raise ContextOverflowError(f"{capacity} slots exceed max_seq {self.max_seq}")
-        return TwinState(batch, [np.zeros((batch, *self.cache_shape), self.cache_dtype) for _ in self.pairs])
+        if capacity > self.limit:  # as the TensorRT session does
+            raise ContextOverflowError(f"{capacity} slots exceed the limit {self.limit}")
+        return TwinState(batch, [np.zeros((batch, self.head[0], n, self.head[1]), self.cache_dtype) for n in self.slots])
+
+    def cache_bytes(self, state: Any) -> int:
+        """What the TensorRT session holds: these buffers, and a ring's second buffer beside each ring."""
+        return sum(c.nbytes * (2 if self.ring and self.ring.is_ring(k) else 1) for k, c in enumerate(state.caches))
 
     def step(self, state: Any, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        T = state.held
+        logits = np.empty(0)
+        for a, b in chunks(input_ids.shape[1], self.ring.length(self.max_seq) if self.ring else None):
+            logits = self._piece(state, input_ids[:, a:b], position_ids[:, a:b], attention_mask[:, :, a:b, : T + b])
+        return logits
+
+    def _piece(self, state: Any, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         B, S = input_ids.shape
-        full = np.zeros((B, 1, S, self.max_seq), dtype=np.bool_)
-        full[..., : attention_mask.shape[-1]] = attention_mask
-        feeds = {"input_ids": input_ids, "position_ids": position_ids,
-                 "write_index": np.full((B,), state.held, dtype=np.int64), "attention_mask": full}
+        feeds = step_feeds(state.held, input_ids, position_ids, attention_mask, max_seq=self.max_seq, ring=self.ring,
+                           full_mask=self.full_mask)
         feeds.update({past: c for (past, _), c in zip(self.pairs, state.caches)})
         out = self.sess.run(["logits", *[p for _, p in self.pairs]], feeds)
         state.caches = out[1:]

@@ -157,3 +157,31 @@ def test_int4_engine_builds_and_verifies(tmp_path: Path, weights: str, group: in
     m = read(out)
     assert m.raw["verification"]["passed"] and m.target["weights"]["dtype"] == weights
     assert m.raw["verification"]["mode"] == "teacher-forced" and (out / ENGINE_DIR / PLAN).is_file()
+
+
+def test_mistral_on_rings_generates_past_max_seq_like_its_packaged_graph(tmp_path: Path) -> None:
+    """Every layer of the tiny mistral slides (window 24): its engine holds 24-slot rings written by
+    IScatterLayer into a second buffer swapped after each step, decodes past max_seq with two captured decode
+    graphs (one per order of the buffers), and picks the tokens its packaged graph picks on ONNX Runtime."""
+    import kvexport
+    from kvexport.build import build
+    from kvexport.zoo import TINY_CONFIGS, write_checkpoint
+
+    from nvidia_ort_twin import OrtTwinSession
+
+    ckpt = write_checkpoint(TINY_CONFIGS["mistral"], tmp_path / "mistral", seed=5)
+    path = build(ckpt, tmp_path / "mistral-nv.kvx", target="nvidia", max_seq=MAX_SEQ,
+                 options=BuildOptions(max_batch=2), verify=True)
+    engine = kvexport.load(str(path))
+    prompt = list(range(3, 43))  # 40 tokens: two ring-sized prefill pieces
+    got = engine.generate(prompt, max_new_tokens=100, stop=()).token_ids  # 140 slots > max_seq 64
+    from kvexport.runtime.engine import Engine
+
+    m = read(path)
+    twin = Engine(path, m, OrtTwinSession(path / ENGINE_DIR / "prepared.onnx", m))
+    assert got == twin.generate(prompt, max_new_tokens=100, stop=()).token_ids
+    b = engine.prefill(prompt, 4)
+    for t in range(3):
+        engine.decode(b, np.array([t + 5]))
+    assert b.state.captures == 2 and b.state.replays == 1
+    assert [c.shape[2] for c in b.state.caches] == [TINY_CONFIGS["mistral"]["sliding_window"]] * 4

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvexport.errors import ContextOverflowError, InputError
-from kvexport_nvidia.runtime import TrtSession, _State, graph_step
+from kvexport.runtime.ring import MASK_INPUT, RingSpec
+from kvexport_nvidia.runtime import TrtSession, _State, graph_step, step_feeds, swap_rings
 from kvexport_nvidia.trt_build import EngineBuildError
 
 PAIRS = [("past_key_values.0.key", "present.0.key"), ("past_key_values.0.value", "present.0.value")]
@@ -145,3 +146,36 @@ def test_a_failed_eager_step_captures_nothing() -> None:
     with pytest.raises(EngineBuildError):
         graph_step(st, eager=fail, capture=lambda: pytest.fail("captured after a failed step"))
     assert st.graph is None and (st.captures, st.replays) == (0, 0)
+
+
+def test_ring_present_goes_to_the_second_buffer_and_swaps_with_its_decode_graph() -> None:
+    """A ring's present is IScatterLayer's own output: bound to the ring's second buffer, never aliased; after
+    the step the two swap, and so do the decode graphs captured with each order of the buffers."""
+    s = _session({})  # no present aliased: refused for full-length layers, right for a ring layer's
+    with pytest.raises(EngineBuildError, match="not aliased"):
+        s._check_aliasing()
+    s.ring, s.limit = RingSpec(window=4, layers=frozenset({0}), num_layers=1, max_positions=64), 64
+    s._check_aliasing()
+    st = _state()
+    ring0, ring1 = FakeTensor((2, 2, 4, 4), 0xA000), FakeTensor((2, 2, 4, 4), 0xB000)
+    st.caches, st.spares = [ring0, ring1], [FakeTensor((2, 2, 4, 4), 0xA100), FakeTensor((2, 2, 4, 4), 0xB100)]
+    ctx = FakeContext()
+    s._bind(st, ctx, {}, FakeTensor((2, 1, 10), 0x30))
+    assert ctx.addresses["past_key_values.0.key"] == 0xA000 and ctx.addresses["present.0.key"] == 0xA100
+    st.graph, st.other_graph = "graph-even", None
+    swap_rings(st)
+    assert [c.ptr for c in st.caches] == [0xA100, 0xB100] and [c.ptr for c in st.spares] == [0xA000, 0xB000]
+    assert (st.graph, st.other_graph, st.swaps) == (None, "graph-even", 1)  # the odd order gets its own capture
+    swap_rings(st)
+    assert st.graph == "graph-even" and st.caches[0].ptr == 0xA000
+
+
+def test_step_feeds_give_rings_their_mask_and_drop_the_full_one_where_every_layer_slides() -> None:
+    ring = RingSpec(window=4, layers=frozenset({0}), num_layers=1, max_positions=64)
+    held = np.ones((1, 1, 1, 11), bool)  # 10 held + 1 new, past the 4-slot ring
+    f = step_feeds(10, np.ones((1, 1), np.int64), np.full((1, 1), 10), held, max_seq=16, ring=ring, full_mask=False)
+    assert "attention_mask" not in f and f["write_index"].tolist() == [10]
+    # ring slots hold tokens 8, 9, 6, 7: the query at 10 sees 8 and 9 (10 - 7 = 3 < 4 too), then itself
+    assert f[MASK_INPUT].tolist() == [[[[True, True, False, True, True]]]]
+    f = step_feeds(10, np.ones((1, 1), np.int64), np.full((1, 1), 10), held, max_seq=16, ring=ring, full_mask=True)
+    assert f["attention_mask"].shape == (1, 1, 1, 16) and f["attention_mask"][..., 11:].sum() == 0
