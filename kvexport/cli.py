@@ -401,17 +401,16 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     print(f"  KV cache: {kv_mode}, {per_slot} bytes per token per row"
           + (f" (+ {fixed} bytes of per-channel scales, once per engine)" if fixed else "")
           + f"; {per_slot * cache['max_seq'] / 2**20:.1f} MiB per row at max_seq")
-    if cache.get("ring"):
-        from kvexport.runtime.ring import cache_bytes
+    from kvexport.runtime.ring import RingSpec, cache_bytes
 
-        ring = cache["ring"]
+    ring = RingSpec.of(m)  # the IR's rings, or the engine's own (intel's state)
+    if ring is not None:
         item = max(1, per_slot // (2 * cache["num_layers"] * cache["kv_heads"] * cache["head_dim"]))  # bytes an element
         rings, full = cache_bytes(m, cache["max_seq"], item)
-        print(f"  sliding layers on rings: {len(ring['layers'])} of {cache['num_layers']} keep {ring['window']} slots; "
+        print(f"  sliding layers on rings: {len(ring.layers)} of {cache['num_layers']} keep {ring.window} slots; "
               f"{rings} bytes ({rings / 2**20:.2f} MiB) per row at max_seq beside {full} bytes ({full / 2**20:.2f} MiB) "
               "were every layer full length"
-              + (f"; positions up to {cache['max_positions']} (past max_seq)" if len(ring["layers"]) == cache["num_layers"]
-                 else ""))
+              + (f"; positions up to {ring.max_positions} (past max_seq)" if ring.every_layer else ""))
     print("  inputs:")
     for io in m.inputs:
         print(f"    {io['name']:32s} {io['dtype']:8s} {io['shape']}")

@@ -154,6 +154,7 @@ class KVStep:
     """How a layer applies RoPE, writes its cache and attends. Subclasses fix the op set and cache style."""
 
     style: ClassVar[CacheStyle]
+    keeps_rings: ClassVar[bool] = False  # implements attend_ring: Decoder.ring_layers may put sliding layers on rings
 
     def split(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor, tuple[Tensor, ...]]:
         """The decoder's inputs after position_ids -> (write_index or None, mask, past caches)."""
@@ -218,6 +219,7 @@ def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: f
 
 class _Static(KVStep):
     style = "static"
+    keeps_rings = True
     ring_write: Callable[[Tensor, Tensor, Tensor], Tensor]
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: DecoderConfig) -> Tensor:
@@ -568,9 +570,10 @@ class Decoder(nn.Module):
 
     @property
     def ring_layers(self) -> tuple[int, ...]:
-        """Layers whose cache is a ring of `ring_window` slots: the sliding ones, where rings are on (static
-        style) and the window fits in max_seq (a longer one never slides within the cache)."""
-        if not self.ring or self.kv.style != "static":
+        """Layers whose cache is a ring of `ring_window` slots: the sliding ones, where rings are on (a strategy
+        that keeps rings: the static styles, intel's stateful concat) and the window fits in max_seq (a longer
+        one never slides within the cache)."""
+        if not self.ring or not self.kv.keeps_rings:
             return ()
         return tuple(i for i, w in enumerate(self.windows) if w is not None and w <= self.max_seq)
 

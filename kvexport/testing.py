@@ -23,6 +23,16 @@ def greedy_logits(engine: Any, prompt: Sequence[int], n: int) -> np.ndarray:
     return np.array(out)
 
 
+def prefill_decode_gap(engine: Any, ids: Sequence[int], n: int) -> float:
+    """max |logits| difference between prefill(ids[:n]) + decode(ids[n]) and prefill(ids[:n + 1]) (the cache check)."""
+    b = engine.prefill(list(ids[:n]), 1)
+    stepped = engine.decode(b, np.array([ids[n]]))[0].copy()
+    engine.session.release(b.state)
+    whole = engine.prefill(list(ids[: n + 1]), 0)
+    engine.session.release(whole.state)
+    return float(np.abs(stepped - whole.logits[0]).max())
+
+
 def run_staggered(rows: Rows, prompts: Sequence[Sequence[int]], n_new: int, where: Sequence[int],
                   chunk: int, capacity: int = 80) -> list[np.ndarray]:
     """Drive `rows` as a continuous-batching scheduler would: prompt i enters row where[i] at step 3*i,

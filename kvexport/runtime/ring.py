@@ -14,6 +14,7 @@ ring holds before the ring is W long.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +36,15 @@ class RingSpec:
 
     @classmethod
     def of(cls, manifest: Any) -> RingSpec | None:
-        ring = manifest.cache.get("ring")
+        """The IR's rings (manifest `cache.ring`), or the engine's own where its target keeps rings that its IR
+        does not (`target.ring`, with its own max_positions: intel's stateful engine from a concat IR)."""
+        engine = (manifest.target or {}).get("ring")
+        ring = engine or manifest.cache.get("ring")
         if not ring:
             return None
+        limit = (engine or manifest.cache).get("max_positions", manifest.max_seq)
         return cls(int(ring["window"]), frozenset(int(i) for i in ring["layers"]), int(manifest.cache["num_layers"]),
-                   int(manifest.cache.get("max_positions", manifest.max_seq)))
+                   int(limit))
 
     @property
     def every_layer(self) -> bool:
@@ -97,6 +102,16 @@ def chunks(S: int, limit: int | None) -> list[tuple[int, int]]:
     if not limit or S <= limit:
         return [(0, S)]
     return [(a, min(a + limit, S)) for a in range(0, S, limit)]
+
+
+def step_pieces(input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+                limit: int | None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A step's (input_ids, position_ids, attention_mask) cut into `chunks` of at most `limit` tokens: piece
+    [a, b) of S new tokens over T held slots gets the mask's rows a..b over the T + b slots held after it."""
+    S = input_ids.shape[1]
+    T = attention_mask.shape[-1] - S
+    for a, b in chunks(S, limit):
+        yield input_ids[:, a:b], position_ids[:, a:b], attention_mask[:, :, a:b, : T + b]
 
 
 def cache_bytes(manifest: Any, slots: int, itemsize: int) -> tuple[int, int]:
