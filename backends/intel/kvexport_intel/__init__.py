@@ -11,6 +11,7 @@ from kvexport.backends import AutoMode, Backend, BuildOptions, Capabilities, Opt
 from kvexport.doctor import cpu_info
 from kvexport.errors import ArtifactError, InputError, KvexportError
 from kvexport.manifest import Manifest
+from kvexport.runtime.ring import RingSpec
 from kvexport_intel import compress, isa, numa
 from kvexport_intel.session import KV_ITEM_BYTES, IntelSession
 
@@ -32,6 +33,8 @@ OPTIONS = (
     Option("batch_rows", "str", "paged", "how the serving scheduler batches requests: paged (OpenVINO paged "
            "attention, every row in one infer per decode step) or state (one InferRequest per row, stepped in turn)",
            choices=("paged", "state"), phase="load"),
+    Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
+           "where every layer slides); false keeps them full length, on the fused attention and paged attention"),
     Option("int4_sym", "bool", False, "int4 weights symmetric (NNCF INT4_SYM, no zero points) instead of "
            "INT4_ASYM, optimum-intel's default"),
 )
@@ -160,7 +163,7 @@ class IntelBackend(Backend):
         progress("intel: reading weights back from the IR into the owned decoder")
         dec = decoder_from_ir(folder, manifest, cache_style="concat", last_token_only=True)
         progress("intel: tracing the stateful step through OpenVINO's PyTorch frontend")
-        model = lowering.convert(dec, manifest)
+        model, ring = lowering.convert(dec, manifest, ring=extra["ring_cache"])
         if plan is not None:
             progress(f"intel: compressing weights with NNCF {plan['mode']}, group size {plan['group_size']}")
             model = compress.compress(model, plan)
@@ -173,14 +176,16 @@ class IntelBackend(Backend):
         fused = lowering.fused_attention_layers(compiled)
         ops = lowering.runtime_op_counts(compiled)
         layers = manifest.config.num_hidden_layers
-        if fused != layers:
-            warnings.warn(f"only {fused} of {layers} attention layers compiled to OpenVINO's fused "
+        full = layers - (len(ring.layers) if ring else 0)  # a ring's Assign is its scatter, not the fused Concat
+        if fused != full:
+            warnings.warn(f"only {fused} of {full} full-length attention layers compiled to OpenVINO's fused "
                           "attention-with-KV-cache node; decode will be slower", IntelBackendWarning, stacklevel=2)
         asked = options.weights or options.precision
         reason = isa.why_precision(flags) if not asked else f"{weights}: asked for with --weights"
         if plan is not None:
             reason = f"{weights} weights ({plan['mode']}, NNCF); activations {isa.why_precision(flags)}"
-        progress(f"intel: {fused}/{layers} layers on the fused ScaledDotProductAttention+state path")
+        progress(f"intel: {fused}/{layers} layers on the fused ScaledDotProductAttention+state path"
+                 + (f"; {len(ring.layers)} sliding layers on {ring.window}-slot rings in the state" if ring else ""))
         progress(f"intel: precision {reason}" + ("" if asked or precision == "fp32"
                                                   else " (pass --precision fp32 for exact f32 numerics)"))
         kv_cost = None
@@ -188,9 +193,9 @@ class IntelBackend(Backend):
             from kvexport_intel.kvcost import kv_precision_cost
 
             # verify compares with the reference; this records what the lossy cache itself costs
-            exact = self._session(compiled, manifest, {"kv_precision": "f32"})
+            exact = self._session(compiled, manifest, {"kv_precision": "f32"}, ring)
             lossy_compiled = ov.Core().compile_model(model, "CPU", _compile_config("fp32", kv, 0, True, plan is not None))
-            lossy = self._session(lossy_compiled, manifest, {"kv_precision": kv})
+            lossy = self._session(lossy_compiled, manifest, {"kv_precision": kv}, ring)
             kv_cost = kv_precision_cost(exact, lossy)
             progress(f"intel: kv cache {kv} against the f32 cache: max |dlogit| {kv_cost['max_abs_logit']:.2e}, "
                      f"greedy agreement {kv_cost['greedy_agreement']:.3f}, mean KL {kv_cost['mean_kl']:.2e}")
@@ -215,6 +220,9 @@ class IntelBackend(Backend):
             },
             "options": {"threads": options.threads, "kv_precision": kv, "numa_node": numa_node,
                         "numa_bind": extra["numa_bind"], "kv_precision_cost": kv_cost},
+            # the engine's rings, which its concat IR does not keep (kvexport.runtime.ring.RingSpec.of reads them)
+            "ring": {"window": ring.window, "layers": sorted(ring.layers), "max_positions": ring.max_positions}
+            if ring else None,
         }
 
     # --- load -------------------------------------------------------------------------------
@@ -256,18 +264,21 @@ class IntelBackend(Backend):
                  "weights": (target.get("weights") or {}).get("dtype", target["precision"]),
                  "openvino": _openvino_version(), "numa": placement,
                  "fused_attention_layers": lowering.fused_attention_layers(compiled)}
-        session = self._session(compiled, manifest, facts)
+        ring = RingSpec.of(manifest)
+        if ring is not None:
+            facts["ring"] = {"window": ring.window, "layers": sorted(ring.layers)}
+        session = self._session(compiled, manifest, facts, ring)
         session.model_path, session.compile_config = str(xml), config
         session.batch_rows = str(options.get("batch_rows") or "paged")
         session.windows = [manifest.config.window_of(i) for i in range(manifest.config.num_hidden_layers)]
         return session
 
     @staticmethod
-    def _session(compiled: Any, manifest: Manifest, facts: dict[str, Any]) -> IntelSession:
+    def _session(compiled: Any, manifest: Manifest, facts: dict[str, Any], ring: RingSpec | None) -> IntelSession:
         cfg = manifest.config
         return IntelSession(compiled, max_seq=manifest.max_seq, vocab_size=cfg.vocab_size,
                             num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
-                            head_dim=cfg.head_dim, facts=facts)
+                            head_dim=cfg.head_dim, facts=facts, ring=ring)
 
     def doctor(self) -> dict[str, Any]:
         flags = isa.read_cpu_flags()

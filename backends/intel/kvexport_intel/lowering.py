@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvexport.config import DecoderConfig
-from kvexport.decoder import ConcatTorch, Decoder, Step, softcapped_attention
+from kvexport.decoder import ConcatTorch, Decoder, Step, scatter_rows, softcapped_attention
 from kvexport.errors import ArtifactError
 from kvexport.manifest import Manifest
+from kvexport.runtime.ring import MASK_INPUT, RingSpec
 
 XML, BIN = "openvino_model.xml", "openvino_model.bin"
 STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "beam_idx")
@@ -31,16 +32,43 @@ STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "beam_idx")
 # --- the traced step ------------------------------------------------------------------------
 class BeamConcat(ConcatTorch):
     """The concat strategy in the shape the fusion matches: Gather(beam_idx) on the past, Concat with
-    the new rows, and for GQA the unsqueeze -> expand -> reshape broadcast of K/V to the query heads."""
+    the new rows, and for GQA the unsqueeze -> expand -> reshape broadcast of K/V to the query heads.
+
+    A sliding layer on a ring (`attend_ring`) attends over the same Concat of its ring and the new rows, under
+    the rings' mask (kvexport.runtime.ring.sliding_mask), and assigns the ring with the new rows written at
+    their slots modulo its length (ScatterElementsUpdate). The ring starts empty and grows with the request
+    until it is `window` slots long, as the cpu runtime's does: its length is min(window, slots held), so the
+    slot arithmetic of ring.py holds at every length. Its Assign is not the Concat, so the plugin's fusion
+    leaves it a plain ScaledDotProductAttention over the W + S keys (or MatMul + Softmax with a softcap)."""
+
+    keeps_rings = True
 
     def __init__(self, beam_idx: Tensor):
         self.beam_idx = beam_idx  # (B,) int32
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
                cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
-        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         k_all = torch.cat([past_k.index_select(0, self.beam_idx), k], dim=2)  # (B, H_kv, P+S, D): the Assign'd state
         v_all = torch.cat([past_v.index_select(0, self.beam_idx), v], dim=2)
+        return self.attention(q, k_all, v_all, step.mask, cfg), k_all, v_all
+
+    def attend_ring(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
+                    cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
+        assert step.window is not None and step.write_index is not None
+        past_k, past_v = past_k.index_select(0, self.beam_idx), past_v.index_select(0, self.beam_idx)  # (B, H_kv, R, D)
+        y = self.attention(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), step.mask, cfg)
+        return y, self.ring_write(past_k, k, step), self.ring_write(past_v, v, step)
+
+    @staticmethod
+    def ring_write(ring: Tensor, new: Tensor, step: Step) -> Tensor:
+        """ring (B, H_kv, R, D) with R = min(W, T) -> (B, H_kv, min(W, T + S), D): zero rows appended up to that
+        length (none once R = W), then the S new rows written at slots (T + s) mod length. S <= W (ring.chunks)."""
+        grown = torch.cat([ring, torch.zeros_like(new)], dim=2)[:, :, : step.window]  # (B, H_kv, min(W, R+S), D)
+        return scatter_rows(grown, new, step.write_index, circular=True)
+
+    def attention(self, q: Tensor, k_all: Tensor, v_all: Tensor, mask: Tensor, cfg: DecoderConfig) -> Tensor:
+        """q (B, H_q, S, D) over k_all, v_all (B, H_kv, N, D) under the additive mask (B, 1, S, N)."""
+        Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         B, _, T, D = k_all.shape
         rep = Hq // Hkv
         if rep > 1:  # unsqueeze -> expand -> reshape: the GQA broadcast the fusion recognises
@@ -49,45 +77,67 @@ class BeamConcat(ConcatTorch):
         else:
             k_rep, v_rep = k_all, v_all
         if cfg.attn_logit_softcap is not None:  # no SDPA node to fuse: SDPA has no softcap (Gemma 2)
-            y = softcapped_attention(q, k_rep, v_rep, step.mask, cfg.scale, cfg.attn_logit_softcap, 1)
-        else:
-            y = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=step.mask, scale=cfg.scale)  # (B, H_q, S, D)
-        return y, k_all, v_all
+            return softcapped_attention(q, k_rep, v_rep, mask, cfg.scale, cfg.attn_logit_softcap, 1)
+        return F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask, scale=cfg.scale)  # (B, H_q, S, D)
 
 
 class StatefulStep(nn.Module):
-    """forward(input_ids, position_ids, attention_mask, beam_idx, *past) -> (logits, *present).
+    """forward(input_ids, position_ids, [write_index], [attention_mask], [sliding_attention_mask], beam_idx, *past)
+    -> (logits, *present).
 
-    attention_mask is float additive (B, 1, S, P+S); beam_idx int32 (B,) reorders the past rows
-    (the identity here, but the fusion pattern requires the Gather).
+    Masks are float additive: attention_mask (B, 1, S, P+S) over the full-length layers' past and the new rows
+    (absent where every layer is a ring), sliding_attention_mask (B, 1, S, R+S) over a ring's R slots and the new
+    rows, with write_index (B,) the slots held before the step (both only where rings are on: `ring`).
+    beam_idx int32 (B,) reorders the past rows (the identity here, but the fusion pattern requires the Gather).
     """
 
-    def __init__(self, dec: Decoder):
+    def __init__(self, dec: Decoder, ring: bool = False):
         super().__init__()
-        self.dec = dec
+        self.dec, self.ring = dec, ring
+        with dec.configured(kv=BeamConcat(torch.zeros(0, dtype=torch.int32)), ring=ring):
+            self.rings = dec.ring_layers  # the sliding layers, where rings are on and their window fits max_seq
+            L = dec.cfg.num_hidden_layers
+            self.spec = RingSpec(dec.ring_window, frozenset(self.rings), L, dec.max_positions) if self.rings else None
+        self.names = step_inputs(dec.cfg.num_hidden_layers, self.rings)[2:]  # the inputs between positions and caches
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, beam_idx: Tensor,
-                *past: Tensor) -> tuple[Tensor, ...]:
-        step = self.dec.step(position_ids, None, attention_mask, BeamConcat(beam_idx))
-        return self.dec.decode(input_ids, step, past)  # the decoder is last-token-only: (B, 1, vocab)
+    def forward(self, input_ids: Tensor, position_ids: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        named, past = dict(zip(self.names, rest)), rest[len(self.names):]
+        kv = BeamConcat(named["beam_idx"])
+        with self.dec.configured(kv=kv, ring=self.ring):
+            step = self.dec.step(position_ids, named.get("write_index"), named.get("attention_mask"), kv)  # type: ignore[arg-type]
+            return self.dec.decode(input_ids, step._replace(ring_mask=named.get(MASK_INPUT)), past)  # (B, 1, vocab)
 
 
-def _example(dec: Decoder) -> tuple[Tensor, ...]:
-    cfg = dec.cfg
+def step_inputs(num_layers: int, rings: tuple[int, ...] | frozenset[int]) -> list[str]:
+    """The traced step's inputs before the caches, in order (STEP_INPUTS without rings)."""
+    if not rings:
+        return list(STEP_INPUTS)
+    full = ["attention_mask"] if len(rings) < num_layers else []
+    return ["input_ids", "position_ids", "write_index", *full, MASK_INPUT, "beam_idx"]
+
+
+def _example(step: StatefulStep) -> tuple[Tensor, ...]:
+    cfg, rings = step.dec.cfg, set(step.rings)
     B, S, P = 2, 3, 5  # distinct sizes so no dim is specialised by coincidence
-    caches = [torch.zeros(B, cfg.num_key_value_heads, P, cfg.head_dim) for _ in range(2 * cfg.num_hidden_layers)]
-    return (torch.zeros(B, S, dtype=torch.long), torch.arange(S).repeat(B, 1), torch.zeros(B, 1, S, P + S),
-            torch.arange(B, dtype=torch.int32), *caches)
+    R = min(P, step.dec.ring_window or P)  # a ring shorter than its window: nothing of it is specialised either
+    named = {"input_ids": torch.zeros(B, S, dtype=torch.long), "position_ids": torch.arange(S).repeat(B, 1),
+             "write_index": torch.full((B,), P, dtype=torch.long), "attention_mask": torch.zeros(B, 1, S, P + S),
+             MASK_INPUT: torch.zeros(B, 1, S, R + S), "beam_idx": torch.arange(B, dtype=torch.int32)}
+    caches = [torch.zeros(B, cfg.num_key_value_heads, R if i // 2 in rings else P, cfg.head_dim)
+              for i in range(2 * cfg.num_hidden_layers)]
+    return (*(named[n] for n in step_inputs(cfg.num_hidden_layers, step.rings)), *caches)
 
 
-def convert(dec: Decoder, manifest: Manifest) -> Any:
-    """Trace StatefulStep through OpenVINO's PyTorch frontend and make its KV pairs internal state."""
+def convert(dec: Decoder, manifest: Manifest, *, ring: bool = True) -> tuple[Any, RingSpec | None]:
+    """Trace StatefulStep through OpenVINO's PyTorch frontend and make its KV pairs internal state. ring: the
+    sliding-window layers keep window-sized rings (BeamConcat.attend_ring). Returns the model and its rings."""
     import openvino as ov
 
     pairs = manifest.kv_pairs()
+    step = StatefulStep(dec, ring)
     with torch.no_grad():
-        model = ov.convert_model(StatefulStep(dec), example_input=_example(dec))
-    names = [*STEP_INPUTS, *(p for p, _ in pairs)]
+        model = ov.convert_model(step, example_input=_example(step))
+    names = [*step_inputs(dec.cfg.num_hidden_layers, step.rings), *(p for p, _ in pairs)]
     if len(model.inputs) != len(names):
         raise ArtifactError(f"traced {len(model.inputs)} inputs, expected {len(names)}; the decoder and manifest disagree")
     for port, name in zip(model.inputs, names):
@@ -95,7 +145,7 @@ def convert(dec: Decoder, manifest: Manifest) -> Any:
     for port, name in zip(model.outputs, ["logits", *(o for _, o in pairs)]):
         port.get_tensor().set_names({name})
     make_stateful(model, pairs, manifest.cache["kv_heads"], manifest.cache["head_dim"])
-    return model
+    return model, step.spec
 
 
 def make_stateful(model: Any, pairs: list[tuple[str, str]], kv_heads: int, head_dim: int) -> None:

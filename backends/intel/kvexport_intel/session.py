@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvexport.errors import ContextOverflowError, InputError
+from kvexport.runtime.ring import MASK_INPUT, RingSpec, sliding_mask, step_pieces
 from kvexport.runtime.session import Session
 
 # Additive mask value for slots a token may not see. Finite, so that a row that sees nothing
@@ -34,9 +35,13 @@ class IntelState:
 
 class IntelSession(Session):
     def __init__(self, compiled: Any, *, max_seq: int, vocab_size: int, num_layers: int, kv_heads: int,
-                 head_dim: int, facts: dict[str, Any]):
+                 head_dim: int, facts: dict[str, Any], ring: RingSpec | None = None):
         self.compiled = compiled
         self.max_seq, self.vocab_size = max_seq, vocab_size
+        self.ring = ring  # sliding-window layers on a ring of at most `window` slots in the state
+        # slots a request may hold: past max_seq where every layer slides on a ring
+        self.limit = ring.limit(max_seq) if ring is not None else max_seq
+        self.input_names = {name for port in compiled.inputs for name in port.get_names()}
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.facts = facts
         self._pool: list[Any] = []  # reset InferRequests of finished requests: memory does not grow
@@ -58,6 +63,10 @@ class IntelSession(Session):
             return f"batch_rows={self.batch_rows} was asked for"
         if self.model_path is None:
             return "this session was not loaded from an artifact"
+        if self.ring is not None:
+            return ("its sliding-window layers keep window-sized rings in the state, which OpenVINO's paged attention "
+                    "transformation does not page; build with --option ring_cache=false to batch them through paged "
+                    "attention (their caches then grow to max_seq)")
         if self.facts.get("kv_precision", "f32") != "f32":
             return (f"the {self.facts.get('kv_precision')} cache: paged attention quantizes its blocks "
                     "differently from the state the build verified")
@@ -100,9 +109,10 @@ class IntelSession(Session):
     def new_state(self, batch: int, capacity: int) -> IntelState:
         if batch < 1:
             raise InputError(f"batch must be at least 1, got {batch}")
-        if capacity > self.max_seq:
+        if capacity > self.limit:
             raise ContextOverflowError(f"the request needs {capacity} cache slots but this engine holds at most "
-                                       f"max_seq={self.max_seq}; rebuild with a larger --max-seq")
+                                       f"{self.limit}" + ("; rebuild with a larger --max-seq" if self.limit == self.max_seq
+                                                          else " (the model's positions)"))
         with self._lock:
             request = self._pool.pop() if self._pool else self.compiled.create_infer_request()
         request.reset_state()  # zero-length state: a new request starts with an empty cache
@@ -148,22 +158,38 @@ class IntelSession(Session):
         B, S = input_ids.shape
         if B != state.batch:
             raise InputError(f"this state holds {state.batch} rows, the step gave {B}")
-        total = state.slots + S
-        if total > self.max_seq:
-            raise ContextOverflowError(f"{total} slots exceed max_seq {self.max_seq}; rebuild with a larger --max-seq")
+        T = state.slots
+        total = T + S
+        if total > self.limit:
+            raise ContextOverflowError(f"{total} slots exceed {'max_seq' if self.limit == self.max_seq else 'the model'} "
+                                       f"limit of {self.limit}" + ("; rebuild with a larger --max-seq"
+                                                                    if self.limit == self.max_seq else ""))
         if attention_mask.shape != (B, 1, S, total):
             raise InputError(f"attention_mask has shape {attention_mask.shape}; this state holds {state.slots} slots, "
                              f"so a step of {S} tokens needs (B, 1, S, T+S) = {(B, 1, S, total)}")
-        mask = np.where(attention_mask, np.float32(0.0), MASKED)  # (B, 1, S, T+S) additive
+        # a ring takes at most `window` new rows a step (more would overwrite each other): longer ones in pieces
+        for piece in step_pieces(input_ids, position_ids, attention_mask, self.ring.window if self.ring else None):
+            logits = self._step(state, *piece)
+        return logits
+
+    def _step(self, state: IntelState, input_ids: np.ndarray, position_ids: np.ndarray,
+              attention_mask: np.ndarray) -> np.ndarray:
+        B, S = input_ids.shape
+        T = state.slots
         inputs = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
-            "attention_mask": mask,
             "beam_idx": state.beam_idx,
         }
+        if "attention_mask" in self.input_names:  # absent where every layer is a ring
+            inputs["attention_mask"] = np.where(attention_mask, np.float32(0.0), MASKED)  # (B, 1, S, T+S) additive
+        if self.ring is not None:  # the rings hold min(W, T) slots: the mask says which token each holds
+            held = sliding_mask(attention_mask, self.ring.length(T), self.ring.window)  # (B, 1, S, min(W, T)+S)
+            inputs[MASK_INPUT] = np.where(held, np.float32(0.0), MASKED)
+            inputs["write_index"] = np.full(B, T, dtype=np.int64)
         t0 = time.perf_counter()
         state.request.infer(inputs, share_inputs=True, share_outputs=True)
         state.run_seconds += time.perf_counter() - t0
         state.steps += 1
-        state.slots = total
+        state.slots = T + S
         return state.request.get_output_tensor(0).data[:, -1, :]  # (B, vocab) float32

@@ -3,6 +3,8 @@ its prompt gets alone through the stateful engine, rows joining at different ste
 chunks while others decode; a retired row's blocks serve the next request."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -18,30 +20,34 @@ pytest.importorskip("openvino", reason="the intel target needs openvino (pip ins
 from kvexport_intel.paged import PagedRows  # noqa: E402
 
 
-# gemma2 caps its attention scores (softcap), which it computes by matmul and softmax, not SDPA:
-# the transformation finds no attention to page.
-NOT_PAGED = {"gemma2": "No ScaledDotProductAttention operation observed in the graph"}
+# gemma2 caps its attention scores (softcap), which it computes by matmul and softmax, not SDPA: the
+# transformation finds no attention to page. Sliding-window layers keep rings in the state by default, which
+# it does not page either (test_paged_rows_of_full_length_sliding_layers builds them full length).
+NOT_PAGED = {"gemma2": "sliding-window layers keep window-sized rings", "mistral": "ring_cache=false",
+             "starcoder2": "ring_cache=false", "gemma3_text": "ring_cache=false"}
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 259, n)]
 
 
-@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
-def test_paged_rows_staggered_equal_alone(family: str, intel_artifacts: dict) -> None:
-    """Four prompts enter rows 1, 3, 0, 5 of 6 at different steps, in chunks of 4 tokens while the
-    others decode: each row's logits stay within the fp32 tolerance of the stateful engine alone and
-    pick the same greedy tokens, past the sliding window of mistral, starcoder2 and gemma3_text's
-    sliding layers (window 24 / 16; 40 + 39 tokens held). Where paged attention does not apply the
-    scheduler keeps one InferRequest per row, and the session says why."""
-    _, art = intel_artifacts[family]
-    engine = kvexport.load(str(art), precision="fp32")
+@pytest.fixture(scope="module")
+def mistral_full_length(intel_workdir: Path, intel_artifacts: dict) -> Path:
+    """The tiny mistral (window 24) built with --option ring_cache=false: its sliding layers full length."""
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+
+    ckpt, _ = intel_artifacts["mistral"]
+    return build(ckpt, intel_workdir / "mistral-full-intel.kvx", target="intel", max_seq=128, verify=False,
+                 options=BuildOptions(extra={"ring_cache": "false"}))
+
+
+def staggered_equal_alone(engine: kvexport.runtime.engine.Engine) -> None:
+    """Four prompts enter rows 1, 3, 0, 5 of 6 at different steps, in chunks of 4 tokens while the others
+    decode: each row's logits stay within the fp32 tolerance of the stateful engine alone and pick the same
+    greedy tokens (40 + 39 tokens held: past a sliding window of 24 or 16)."""
     rows = rows_for(engine.session, 6)
-    why = engine.session.facts["batch_rows"]
-    if family in NOT_PAGED:
-        assert isinstance(rows, StateRows) and NOT_PAGED[family] in why
-        return
-    assert isinstance(rows, PagedRows) and why == "paged attention"
+    assert isinstance(rows, PagedRows) and engine.session.facts["batch_rows"] == "paged attention"
     prompts = [prompt_ids(n, seed=n) for n in (5, 17, 40, 9)]  # 40: two blocks of 32
     n_new = 40
     ref = [greedy_logits(engine, p, n_new) for p in prompts]
@@ -53,6 +59,28 @@ def test_paged_rows_staggered_equal_alone(family: str, intel_artifacts: dict) ->
         stats = compare(ref[i], got[i])
         assert stats["max_abs_logit"] <= tol.max_abs_logit, (i, stats)
         assert (got[i].argmax(-1) == ref[i].argmax(-1)).all()
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_paged_rows_staggered_equal_alone(family: str, intel_artifacts: dict) -> None:
+    """Where paged attention does not apply the scheduler keeps one InferRequest per row, and the session
+    says why."""
+    _, art = intel_artifacts[family]
+    engine = kvexport.load(str(art), precision="fp32")
+    if family in NOT_PAGED:
+        rows = rows_for(engine.session, 6)
+        assert isinstance(rows, StateRows) and NOT_PAGED[family] in engine.session.facts["batch_rows"]
+        return
+    staggered_equal_alone(engine)
+
+
+def test_paged_rows_of_full_length_sliding_layers(mistral_full_length: Path) -> None:
+    """Built with ring_cache=false, mistral's sliding layers are full length and fused, and page: each gets
+    its window on the paged op (the transformation leaves sliding_window at 0)."""
+    engine = kvexport.load(str(mistral_full_length), precision="fp32")
+    assert engine.manifest.target["ring"] is None and engine.limit == engine.max_seq
+    assert engine.manifest.target["fingerprint"]["fused_attention_layers"] == engine.config.num_hidden_layers
+    staggered_equal_alone(engine)
 
 
 def test_retired_rows_blocks_serve_the_next_request(intel_artifacts: dict) -> None:
