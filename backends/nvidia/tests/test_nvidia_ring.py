@@ -103,3 +103,14 @@ def test_gemma2_keeps_global_layers_full_length_and_verifies(tmp_path: Path) -> 
     assert [c.shape[2] for c in st.caches] == [spec.window if spec.is_ring(k) else MAX_SEQ for k in range(len(st.caches))]
     report = verify_engine(e, ckpt, decode_steps=24)  # its 33-token prompt + 24 = 57 slots: rings of 16 wrap 3x
     assert report.passed, report.failures
+
+
+def test_a_ring_ir_lowered_without_its_ring_length_is_refused_before_any_build(mistral: tuple[Path, Path]) -> None:
+    """The circular write has no TensorRT update layer: lowering a ring IR as if it had none names the ring."""
+    from kvexport.errors import UnsupportedFeatureError
+    from kvexport_nvidia.lowering import lower
+
+    folder = mistral[1]
+    model = onnx.load(str(folder / "model.onnx"))
+    with pytest.raises(UnsupportedFeatureError, match="mode=linear only .*ring"):
+        lower(model, max_seq=MAX_SEQ, precision="fp16", pairs=read(folder).kv_pairs())
