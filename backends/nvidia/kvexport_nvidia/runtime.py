@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvexport.errors import ContextOverflowError, InputError
-from kvexport.runtime.ring import MASK_INPUT, RingSpec, chunks, sliding_mask
+from kvexport.runtime.ring import MASK_INPUT, RingSpec, sliding_mask, step_pieces
 from kvexport.runtime.session import Session
 
 from kvexport_nvidia.profiles import DECODE, PREFILL, Profile, check_request
@@ -184,13 +184,12 @@ class TrtSession(Session):
                 "ring": None if self.ring is None else {"window": self.ring.window, "layers": sorted(self.ring.layers)}}
 
     def step(self, state: _State, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        B, S = self._validate(state, input_ids, position_ids, attention_mask)
-        T = state.held
+        B, _ = self._validate(state, input_ids, position_ids, attention_mask)
         # a ring takes at most its R slots of new rows a step (more would overwrite each other): longer in pieces
-        pieces = chunks(S, self.ring.length(self.max_seq) if self.ring else None)
         logits = np.empty((B, self.vocab_size), np.float32)
-        for a, b in pieces:
-            logits = self._piece(state, input_ids[:, a:b], position_ids[:, a:b], attention_mask[:, :, a:b, : T + b])
+        limit = self.ring.length(self.max_seq) if self.ring else None
+        for piece in step_pieces(input_ids, position_ids, attention_mask, limit):
+            logits = self._piece(state, *piece)
         return logits
 
     def _piece(self, state: _State, input_ids: np.ndarray, position_ids: np.ndarray,

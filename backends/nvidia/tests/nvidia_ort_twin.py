@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from kvexport.errors import ContextOverflowError
 from kvexport.manifest import Manifest
-from kvexport.runtime.ring import RingSpec, chunks
+from kvexport.runtime.ring import RingSpec, step_pieces
 from kvexport.runtime.session import Session
 from kvexport_nvidia.runtime import step_feeds
 
@@ -67,10 +67,10 @@ class OrtTwinSession(Session):
         return sum(c.nbytes * (2 if self.ring and self.ring.is_ring(k) else 1) for k, c in enumerate(state.caches))
 
     def step(self, state: Any, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        T = state.held
         logits = np.empty(0)
-        for a, b in chunks(input_ids.shape[1], self.ring.length(self.max_seq) if self.ring else None):
-            logits = self._piece(state, input_ids[:, a:b], position_ids[:, a:b], attention_mask[:, :, a:b, : T + b])
+        limit = self.ring.length(self.max_seq) if self.ring else None
+        for piece in step_pieces(input_ids, position_ids, attention_mask, limit):
+            logits = self._piece(state, *piece)
         return logits
 
     def _piece(self, state: Any, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
