@@ -136,10 +136,13 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
             model = _quantize(model, head_bits, group_size, level, include=keep_apart)
     finally:
         quiet.setLevel(before)
-    embeddings = "fp32 Gather (untied: it reads one row a token, no speed to gain)"
+    embeddings = ("fp32 Gather (untied: it reads one row a token, no speed to gain)" if tied is None else
+                  "fp32 Gather (tied, but the lm_head is no MatMulNBits of the table's shape)")
     quantized_head = lm_head(model, op_type="MatMulNBits")
-    if tied is not None and quantized_head is not None:
-        if next(a.i for a in quantized_head.attribute if a.name == "K") % group_size:
+    table = next((t for t in model.graph.initializer if tied is not None and t.name == tied.input[0]), None)
+    shape = {a.name: a.i for a in quantized_head.attribute} if quantized_head is not None else {}
+    if table is not None and [shape.get("N"), shape.get("K")] == list(table.dims):  # the head, quantized
+        if shape["K"] % group_size:
             embeddings = "fp32 Gather (tied, but the hidden size is no multiple of the group: padded blocks)"
         else:
             embeddings = share_with_head(model, tied, quantized_head)
