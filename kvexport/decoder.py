@@ -207,14 +207,20 @@ def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: f
     """Attention whose scores are capped before the mask: cap * tanh(q.k * scale / cap) (Gemma 2), the
     matmul-softmax form, as torch's SDPA has no softcap. q (B, H_q, S, D); k, v (B, H_kv, L, D), each K/V
     head serving `group` = H_q / H_kv query heads; mask bool (True = attend) or additive -> (B, H_q, S, D)."""
+    B, H, S, D = q.shape
+    # each K/V head broadcast over its `group` query heads: a repeated (B, H_q, L, D) copy (repeat_interleave) or
+    # `group * S` rows as one matrix (views over S) give torch.export guards on a ring's dynamic L = R + S that it
+    # cannot prove, and the export of a ring model fails
     if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H_q, L, D)
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap  # (B, H_q, S, L)
+        q = q.view(B, H // group, group, S, D)
+        k, v, mask = k[:, :, None], v[:, :, None], mask[:, :, None]  # (B, H_kv, 1, L, D); mask (B, 1, 1, S, L)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap  # (B, H_kv, group, S, L)
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + mask
-    return torch.matmul(scores.softmax(dim=-1), v)
+    out = torch.matmul(scores.softmax(dim=-1), v)
+    return out.reshape(B, H, S, v.shape[-1]) if group > 1 else out
 
 
 class _Static(KVStep):
