@@ -30,7 +30,8 @@ def decoder_from_checkpoint(model_dir: Path, manifest: Manifest) -> nn.Module:
     from kvexport.checkpoint import load_checkpoint
 
     ck = load_checkpoint(model_dir, manifest.max_seq, torch.float32,
-                         last_token_only=bool(manifest.raw["ir"]["last_token_only"]))
+                         last_token_only=bool(manifest.raw["ir"]["last_token_only"]),
+                         ring=bool(manifest.cache.get("ring")))  # the IR's rings, which the session allocates
     expected = manifest.raw["model"]["source_files"]
     if expected and ck.source_hashes != expected:
         raise CheckpointError(f"{model_dir} is not the checkpoint this artifact was exported from (its files' "

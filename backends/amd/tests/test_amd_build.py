@@ -21,7 +21,11 @@ from kvexport.export import decoder_from_ir
 from kvexport.tolerances import tolerance
 from kvexport_amd import AmdBackend, lowering
 
+from kvexport.runtime.ring import RingSpec
+from kvexport.verify import cache_checks
+
 from conftest import AMD_COMPILED_FAMILIES, AMD_MAX_SEQ, CLI_FAMILY, batch_greedy, engine_greedy
+from test_amd_ring import generate_past_window, ring_bytes
 
 STEPS = 32
 
@@ -228,3 +232,25 @@ def test_cli_build_shows_progress_and_no_raw_warnings(amd_builds) -> None:
     for notice in (ln for ln in r.stderr.splitlines() if ln.startswith("notice:")):
         log = Path(notice.split("details in ", 1)[1].split(" or rerun", 1)[0])
         assert log.parent == amd_builds.cli_logs and log.is_file()
+
+
+def test_ring_caches_generate_4x_window_past_max_seq(amd_builds) -> None:
+    """The tiny mistral slides in every layer (window 24) and its package keeps 24-slot rings: 100 new tokens
+    after a 30-token prompt (130 slots, past max_seq 80) token-identical to transformers; the caches are the
+    W-slot rings, written in place; prefill(N)+decode(1) == prefill(N+1) up to N = 48 > W; a left-padded batch
+    (rows of 5, 17 and 29 tokens: its prefill goes in two pieces) equals its rows alone."""
+    engine = kvexport.load(amd_builds["mistral"])
+    ring, cfg = RingSpec.of(engine.manifest), engine.config
+    W = cfg.sliding_window
+    assert ring is not None and ring.every_layer and ring.window == W
+    assert engine.session.limit == ring.max_positions > AMD_MAX_SEQ
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 259, 30)]  # > W: prefilled in two pieces
+    n = 4 * W + 4
+    _, worst, held = generate_past_window(engine, amd_builds.checkpoint("mistral"), prompt, n)
+    assert worst < 1e-4
+    rings_only = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * W * cfg.head_dim * 4  # K, V; fp32
+    assert held == ring_bytes(cfg, ring, 1, AMD_MAX_SEQ) == rings_only
+    checks = cache_checks(engine, np.random.default_rng(0), lambda _m: None)  # prefills up to 49 > W
+    assert checks["prefill_decode_max_abs"] < 1e-4 and checks["batch_independence_max_abs"] < 1e-4, checks
+    print(f"\nmistral: compiled package, {len(prompt) + n} slots held, cache {held:,} bytes, max |dlogit| "
+          f"{worst:.2e}, {checks}")
