@@ -238,19 +238,26 @@ def test_int8_cache_is_refused_for_rings_before_any_work(artifacts: dict[str, Pa
     assert sorted(p.name for p in folder.rglob("*")) == before
 
 
-def test_int8_cache_build_keeps_sliding_layers_full_length(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
-    """`kvexport build --kv int8` on a sliding model: the int8 cache (GroupQueryAttention's) has no ring, so the
-    build exports the IR without rings, says so, and the int8 cache covers max_seq in every layer."""
+@pytest.mark.parametrize(("options", "why"), [({"kv": "int8"}, "no ring"),
+                                               ({"extra": {"ring_cache": "false"}}, "ring_cache=false")])
+def test_builds_that_keep_sliding_layers_full_length(options: dict, why: str, tmp_path: Path,
+                                                     checkpoints: dict[str, Path]) -> None:
+    """`kvexport build --kv int8` on a sliding model (GroupQueryAttention's int8 cache has no ring) and
+    `--option ring_cache=false`: the build exports the IR without rings, says why, and every layer is fused."""
+    import onnx
+
     from kvexport.backends import BuildOptions
     from kvexport.build import build
 
     said: list[str] = []
-    out = build(checkpoints["mistral"], tmp_path / "m8.kvx", max_seq=MAX_SEQ, options=BuildOptions(kv="int8"),
+    out = build(checkpoints["mistral"], tmp_path / "m.kvx", max_seq=MAX_SEQ, options=BuildOptions(**options),
                 verify=False, progress=said.append)
     m = mf.read(out)
     assert RingSpec.of(m) is None and all(x["slots"] != RING_DIM for x in m.cache["layers"])
-    assert m.raw["target"]["kv"]["dtype"] == "int8"
-    assert any("full-length caches" in s and "no ring" in s for s in said), said
+    assert m.raw["target"]["kv"]["dtype"] == options.get("kv", "fp32")
+    assert any("full-length caches" in s and why in s for s in said), said
+    ops = [n.op_type for n in onnx.load(str(out / "engine" / "model.opt.onnx"), load_external_data=False).graph.node]
+    assert ops.count("GroupQueryAttention") == m.config.num_hidden_layers
     e = kvexport.load(out, threads=2)
     b = e.prefill(random_ids(12, seed=3), 4)
     assert b.logits.shape[-1] == e.config.vocab_size and np.isfinite(b.logits).all()

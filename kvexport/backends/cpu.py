@@ -30,6 +30,8 @@ OPTIONS = (
     Option("lm_head", "str", None, "the lm_head's bits under --weights int4: int8 (the default: the logits' "
            "projection is the most sensitive matmul) or int4 (fewer bytes a token, as onnxruntime-genai's "
            "int4 builds)", choices=tuple(LM_HEAD_MODES)),
+    Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots (past max_seq where every "
+           "layer slides); false keeps them full length, on the fused GroupQueryAttention"),
 )
 
 
@@ -112,6 +114,8 @@ class CpuBackend(_Backend):
     def rings_off(self, options: BuildOptions) -> str | None:
         if options.kv == "int8":
             return "the int8 cache is GroupQueryAttention's quantized cache, which has no ring"
+        if not self.build_options(options)["ring_cache"]:
+            return "--option ring_cache=false"
         return None
 
     def check(self, manifest: Manifest) -> list[str]:

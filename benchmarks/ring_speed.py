@@ -1,10 +1,10 @@
-"""Same-run decode speed of the intel target with sliding-window layers on rings in OpenVINO's state against
-the same checkpoint built with `--option ring_cache=false` (every layer full length, on the fused
-attention-with-state node): bench-125m's shape as a mistral with window 512, seeded random, fp32, 2 threads.
-Interleaved rounds of greedy decode steps per prompt length; prints each round, the state bytes
-(query_state) and the median per-round speed ratio ring / full.
+"""Same-run decode speed of a target with sliding-window layers on rings against the same checkpoint built with
+`--option ring_cache=false` (every layer full length, on the target's fused attention: OpenVINO's
+attention-with-state node on `intel`, GroupQueryAttention on `cpu`): bench-125m's shape as a mistral with
+window 512, seeded random, fp32, 2 threads. Interleaved rounds of greedy decode steps per prompt length;
+prints each round, the cache bytes the session holds and the median per-round speed ratio ring / full.
 
-    python benchmarks/intel_ring.py [--workdir DIR] [--rounds 3] [--steps 64] [--prompts 32,1536]
+    python benchmarks/ring_speed.py [--target intel|cpu] [--workdir DIR] [--rounds 3] [--steps 64] [--prompts 32,1536]
 """
 from __future__ import annotations
 
@@ -25,21 +25,22 @@ CONFIG = {**BENCH_125M, "model_type": "mistral", "sliding_window": 512, "max_pos
 
 
 def decode_seconds(engine: kvexport.runtime.engine.Engine, prompt: list[int], steps: int) -> tuple[float, int]:
-    """Mean seconds of one greedy decode step after prefilling `prompt`, and the state bytes at the end."""
+    """Mean seconds of one greedy decode step after prefilling `prompt`, and the cache bytes at the end."""
     b = engine.prefill(prompt, steps)
     tok = b.logits.argmax(-1)
     t0 = time.perf_counter()
     for _ in range(steps - 1):
         tok = engine.decode(b, tok).argmax(-1)
     dt = (time.perf_counter() - t0) / (steps - 1)
-    held = engine.session.state_bytes(b.state)
+    held = engine.session.cache_bytes(b.state)
     engine.session.release(b.state)
     return dt, held
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", type=Path, default=Path("out/intel-ring"))
+    ap.add_argument("--target", choices=("intel", "cpu"), default="intel")
+    ap.add_argument("--workdir", type=Path, default=Path("out/ring-speed"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompts", default="32,1536")
@@ -47,11 +48,11 @@ def main() -> None:
     ckpt = write_checkpoint(CONFIG, a.workdir / "bench-mistral", seed=0)
     engines = {}
     for name, ring in (("ring", "true"), ("full", "false")):
-        out = a.workdir / f"bench-mistral-{name}.kvx"
+        out = a.workdir / f"bench-mistral-{a.target}-{name}.kvx"
         if not out.exists():
-            build(ckpt, out, target="intel", max_seq=2048, verify=False,
+            build(ckpt, out, target=a.target, max_seq=2048, verify=False,
                   options=BuildOptions(weights="fp32", extra={"ring_cache": ring}))
-        engines[name] = kvexport.load(str(out), precision="fp32", threads=2)
+        engines[name] = kvexport.load(str(out), threads=2, **({"precision": "fp32"} if a.target == "intel" else {}))
     rng = np.random.default_rng(0)
     for n in (int(p) for p in a.prompts.split(",")):
         prompt = [int(x) for x in rng.integers(3, CONFIG["vocab_size"] - 1, n)]
@@ -62,7 +63,7 @@ def main() -> None:
             t = {}
             for name, e in engines.items():
                 t[name], held = decode_seconds(e, prompt, a.steps)
-                print(f"prompt {n} round {r} {name}: {1 / t[name]:.1f} tok/s, state {held} bytes", flush=True)
+                print(f"prompt {n} round {r} {name}: {1 / t[name]:.1f} tok/s, cache {held} bytes", flush=True)
             ratios.append(t["full"] / t["ring"])
         print(f"prompt {n}: ring speed / full speed, median of rounds {statistics.median(ratios):.3f} "
               f"({min(ratios):.3f}-{max(ratios):.3f}); load average {os.getloadavg()}", flush=True)
