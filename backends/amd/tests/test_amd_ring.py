@@ -24,7 +24,7 @@ from kvexport.artifact import export_artifact, open_artifact
 from kvexport.export import decoder_from_ir
 from kvexport.runtime.engine import Engine
 from kvexport.runtime.ring import RingSpec
-from kvexport.verify import Reference, cache_checks, compare
+from kvexport.verify import Reference, compare
 from kvexport.zoo import TINY_CONFIGS, write_checkpoint
 from kvexport_amd import lowering
 from kvexport_amd.session import AotiSession
@@ -106,7 +106,8 @@ def test_session_hands_the_package_dense_inputs(tmp_path: Path) -> None:
 def test_mixed_model_holds_only_its_global_layers_at_full_length(family: str, tmp_path: Path) -> None:
     """gemma2 (sliding and global alternating) and gemma3_text (5 sliding : 1 global) through the amd lowering:
     the session's own buffers hold the global layers at max_seq slots and the sliding ones at their window;
-    4x the window token-identical to transformers; the cache checks (N up to 48 > W, a left-padded batch)."""
+    4x the window token-identical to transformers. (Their packages' cache checks, a left-padded batch and
+    prefill(N)+decode(1) == prefill(N+1) past the window, run in build's verify in tests/test_hf_init_amd.py.)"""
     ckpt = write_checkpoint(TINY_CONFIGS[family], tmp_path / "ckpt", seed=11)
     folder, m = open_artifact(export_artifact(ckpt, tmp_path / f"{family}.kvx", max_seq=AMD_MAX_SEQ, ring=True))
     ring = RingSpec.of(m)
@@ -125,5 +126,3 @@ def test_mixed_model_holds_only_its_global_layers_at_full_length(family: str, tm
     assert held == ring_bytes(cfg, ring, 1, AMD_MAX_SEQ) < full
     print(f"\n{family}: amd session cache {held:,} bytes with rings, {full:,} every layer full length "
           f"(max_seq {AMD_MAX_SEQ}, max |dlogit| {worst:.2e})")
-    checks = cache_checks(engine, np.random.default_rng(0), lambda _m: None)
-    assert checks["prefill_decode_max_abs"] < 1e-4 and checks["batch_independence_max_abs"] < 1e-4, checks
