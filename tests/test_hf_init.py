@@ -6,6 +6,7 @@ which the ONNX exporter stores once. The backends that rebuild the owned decoder
 """
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
@@ -23,7 +24,9 @@ def hf_init_checkpoint(family: str, out: Path) -> Path:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    cfg = dict(TINY_CONFIGS[family])
+    # a deep copy: transformers writes into the nested rope_parameters (phi3 gains original_max_position_embeddings),
+    # which would change TINY_CONFIGS for every test that runs after this one in the same process
+    cfg = copy.deepcopy(TINY_CONFIGS[family])
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
     model.save_pretrained(str(out))
