@@ -75,7 +75,10 @@ def test_attention_compiles_to_the_fused_stateful_path(family: str, intel_artifa
     full = layers - rings
     assert lowering.fused_attention_layers(compiled) == full
     assert ops["ScaledDotProductAttention"] == full and ops["MemoryInput"] == 2 * layers
-    assert ops["ScatterElementsUpdate"] == 2 * rings  # each ring's K and V write; its attention is MatMul/Snippets
+    # each ring's K and V write (its attention is MatMul/Snippets), and one a routed layer: the dense form's routing
+    # matrix (ScatterElements of the top-k weights; kvexport.decoder.MoeMlp)
+    routed = sum(engine.config.is_moe_layer(i) for i in range(layers))
+    assert ops["ScatterElementsUpdate"] == 2 * rings + routed
     # no per-layer K/V Concatenation is left: nothing of that kind reads the state (a ring's is behind its Gather)
     rt = compiled.get_runtime_model()
     for op in rt.get_ops():

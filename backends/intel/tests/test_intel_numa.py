@@ -126,5 +126,6 @@ def test_engine_load_on_a_named_node_pins_openvinos_threads(intel_artifacts: dic
     expect = sorted(set(node0.cpus) & set(os.sched_getaffinity(0))) or list(node0.cpus)
     assert r["numa"]["node"] == 0 and r["numa"]["process_pinned"] and r["numa"]["memory_bound"]
     assert r["threads"] == len(expect) and r["tokens"]
-    assert len(r["tasks"]) > 1 and all(cpus == expect for cpus in r["tasks"].values())
+    # with ENABLE_CPU_PINNING OpenVINO may bind each stream thread to one core of the node: a subset, never outside
+    assert len(r["tasks"]) > 1 and all(cpus and set(cpus) <= set(expect) for cpus in r["tasks"].values()), r["tasks"]
     assert r["policy"] == [numa.MPOL_BIND, [0]]
