@@ -116,6 +116,10 @@ class IntelBackend(Backend):
             raise InputError(f"--option int4_sym applies to --weights int4, not {weights or 'the default'}")
         if weights in compress.BLOCK_MODES:
             compress.require_nncf()
+        kv = _build_kv(options)
+        if kv != "f32" and "ring_cache" in options.extra and extra["ring_cache"]:
+            raise InputError(f"--option ring_cache=true with the {kv} cache: {RINGS_F32}; build with --kv fp32 to keep "
+                             "the rings, or leave ring_cache unset for a quantized cache on full-length sliding layers")
         return extra
 
     def auto_modes(self, flags: set[str]) -> list[AutoMode]:
@@ -144,9 +148,7 @@ class IntelBackend(Backend):
         # fp32/bf16: the inference precision itself; int8/int4 weights: activations as this CPU computes fastest
         precision = weights if weights in OV_PRECISION else isa.auto_precision(flags)
         plan = compress.plan(weights, options.group_size, extra["int4_sym"]) if weights in compress.BLOCK_MODES else None
-        # core hands the cache's mode in options.kv (--kv, or --option kv_precision, its alias); a direct
-        # caller of build may still pass kv_precision in options.extra
-        kv = _kv_precision(options.extra.get("kv_precision") or KV_MODES[options.kv or "fp32"])
+        kv = _build_kv(options)
         numa_node = _numa_node(extra.get("numa_node"))
         if numa_node is not None:
             numa.read_topology().node(numa_node)  # fail now, not at first load, for a node that does not exist
@@ -163,7 +165,11 @@ class IntelBackend(Backend):
         progress("intel: reading weights back from the IR into the owned decoder")
         dec = decoder_from_ir(folder, manifest, cache_style="concat", last_token_only=True)
         progress("intel: tracing the stateful step through OpenVINO's PyTorch frontend")
-        model, ring = lowering.convert(dec, manifest, ring=extra["ring_cache"])
+        rings = extra["ring_cache"] and kv == "f32"
+        if extra["ring_cache"] and not rings and any(manifest.config.window_of(i) is not None
+                                                     for i in range(manifest.config.num_hidden_layers)):
+            progress(f"intel: sliding-window layers keep full-length caches: {RINGS_F32}")
+        model, ring = lowering.convert(dec, manifest, ring=rings)
         if plan is not None:
             progress(f"intel: compressing weights with NNCF {plan['mode']}, group size {plan['group_size']}")
             model = compress.compress(model, plan)
@@ -177,6 +183,9 @@ class IntelBackend(Backend):
         ops = lowering.runtime_op_counts(compiled)
         layers = manifest.config.num_hidden_layers
         full = layers - (len(ring.layers) if ring else 0)  # a ring's Assign is its scatter, not the fused Concat
+        if kv != "f32" and fused == 0:
+            warnings.warn(f"no attention layer of this model is on OpenVINO's fused attention-with-state node, so the "
+                          f"{kv} cache precision applies to none: its cache stays f32", IntelBackendWarning, stacklevel=2)
         if fused != full:
             warnings.warn(f"only {fused} of {full} full-length attention layers compiled to OpenVINO's fused "
                           "attention-with-KV-cache node; decode will be slower", IntelBackendWarning, stacklevel=2)
@@ -287,6 +296,17 @@ class IntelBackend(Backend):
                 "isa": isa.isa_report(flags), "would_pick_precision": isa.why_precision(flags),
                 "numa_nodes": {n.id: list(n.cpus) for n in topo.nodes},
                 "offline_cpus": list(topo.offline)}
+
+
+# why a lossy cache turns the rings off (measured: a ring engine's logits are bit-identical at f32, f16 and u8)
+RINGS_F32 = ("OpenVINO's CPU plugin applies the cache precision only to its fused attention's state, so a ring's "
+             "state would stay f32")
+
+
+def _build_kv(options: BuildOptions) -> str:
+    """The cache precision a build asks for, in OpenVINO's words: core hands --kv (or --option kv_precision, its
+    alias) in options.kv; a direct caller of build may still pass kv_precision in options.extra."""
+    return _kv_precision(options.extra.get("kv_precision") or KV_MODES[options.kv or "fp32"])
 
 
 def _weights_mode(options: BuildOptions) -> str | None:

@@ -10,7 +10,7 @@ import kvexport
 from kvexport.runtime.ring import RingSpec
 from kvexport.testing import prefill_decode_gap
 from kvexport.tolerances import tolerance
-from kvexport.verify import Reference, compare
+from kvexport.verify import Reference, compare, self_consistency_limit
 from kvexport.zoo import TINY_CONFIGS
 
 pytest.importorskip("openvino", reason="the intel target needs openvino (pip install 'kvexport[intel]')")
@@ -129,3 +129,53 @@ def test_inspect_prints_the_engines_rings(intel_artifacts: dict, capsys: pytest.
     # 2 layers x K,V x 2 kv heads x 16 head_dim x 4 bytes = 512 bytes a slot: 24 slots on rings, 128 full length
     assert f"2 of 2 keep {W} slots; {512 * W} bytes (0.01 MiB) per row at max_seq beside {512 * 128} bytes" in out, out
     assert f"positions up to {POSITIONS} (past max_seq)" in out
+
+
+@pytest.fixture(scope="module", params=["fp16", "int8"])
+def lossy_mistral(request: pytest.FixtureRequest, intel_artifacts: dict,
+                  tmp_path_factory: pytest.TempPathFactory) -> tuple[str, kvexport.runtime.engine.Engine, list[str]]:
+    """The tiny mistral built with a lossy cache (one build per mode), and what the build said."""
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+
+    said: list[str] = []
+    out = build(intel_artifacts["mistral"][0], tmp_path_factory.mktemp("kv") / f"m-{request.param}.kvx", target="intel",
+                max_seq=128, verify=False, options=BuildOptions(weights="fp32", kv=request.param), progress=said.append)
+    return request.param, kvexport.load(str(out), precision="fp32"), said
+
+
+def test_a_lossy_cache_keeps_sliding_layers_full_length(lossy_mistral: tuple, mistral: kvexport.runtime.engine.Engine
+                                                        ) -> None:
+    """OpenVINO applies KV_CACHE_PRECISION only to its fused attention's state (a ring's plain state stayed f32:
+    measured bit-identical logits at f32, f16 and u8), so --kv fp16/int8 builds the sliding layers full length on
+    the fused node, says so, and its cache is the lossy one: the same teacher-forced tokens' logits move from the
+    f32 ring engine's, within the self-consistency limit of that precision's row."""
+    kv, e, said = lossy_mistral
+    assert any("full-length caches" in s and "stay f32" in s for s in said), said
+    assert RingSpec.of(e.manifest) is None and e.limit == e.max_seq == 128
+    assert lowering.fused_attention_layers(e.session.compiled) == e.config.num_hidden_layers
+    assert lowering.runtime_op_counts(e.session.compiled)["ScatterElementsUpdate"] == 0
+    prompt, n = prompt_ids(20, seed=4), 70  # 89 slots, past the 24-slot window, within max_seq
+    toks, exact = greedy(mistral, prompt, n)
+    b = e.prefill(prompt, n)
+    lossy = [b.logits[0].copy()]
+    for t in toks[:-1]:  # the f32 engine's tokens, so both see the same text
+        lossy.append(e.decode(b, np.array([t]))[0].copy())
+    held = e.session.state_bytes(b.state)
+    e.session.release(b.state)
+    assert held == e.config.num_hidden_layers * (len(prompt) + n - 1) * per_slot(e)  # full length (the f32 view)
+    gap = float(np.abs(np.stack(lossy) - exact).max())
+    limit = self_consistency_limit(tolerance("intel", f"fp32+kv-{kv}"))
+    print(f"kv {kv}: max |dlogit| against the f32 ring engine {gap:.3g} (limit {limit})")
+    assert 0 < gap < limit
+
+
+def test_rings_with_a_lossy_cache_are_refused_before_the_export(intel_artifacts: dict, tmp_path) -> None:
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+    from kvexport.errors import InputError
+
+    with pytest.raises(InputError, match="ring_cache=true with the u8 cache.*--kv fp32"):
+        build(intel_artifacts["mistral"][0], tmp_path / "r.kvx", target="intel", verify=False,
+              options=BuildOptions(kv="int8", extra={"ring_cache": "true"}))
+    assert not (tmp_path / "r.kvx.building").exists()
