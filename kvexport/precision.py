@@ -87,8 +87,10 @@ def resolve(backend: Backend, options: BuildOptions, flags: set[str],
     # not asked for: options.weights stays None and the backend takes its default (which may depend on the
     # device it finds); record() reads the mode it built from the target it wrote
     built = weights or caps.default_precision
-    if kv is None:  # a target that keeps its cache in the model's dtype keeps it in the weights' float type
-        kv = built if built in caps.kv_modes and built not in BLOCK_MODES and caps.kv_follows_weights else "fp32"
+    if kv is None:  # a target that keeps its cache in the model's dtype keeps it in the weights' float type,
+        # and under int8/int4 weights in its first KV mode (the float type they dequantize into)
+        kv = ("fp32" if not caps.kv_follows_weights
+              else built if built in caps.kv_modes and built not in BLOCK_MODES else caps.kv_modes[0])
         if kv not in caps.kv_modes:
             kv = caps.kv_modes[0]
     if built in BLOCK_MODES and group is None:

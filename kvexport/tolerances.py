@@ -108,7 +108,9 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("amd", "int4-g128"): _lossy(top1=0.94, mean_kl=0.02, max_kl=0.3, ppl_change=0.05),  # 0.966, 3.7e-3, 0.036, +0.10%
     ("nvidia", "fp16"): FP16,
     ("nvidia", "bf16"): BF16,
-    ("nvidia", "fp32"): FP32,
+    # nvidia --weights fp32 (for verification): the fp32 packaged graph on ONNX Runtime, every tiny family against
+    # transformers over 64 greedy steps: max |dlogit| 5.1e-6 (phi3), cache checks 2.5e-6; strict like cpu's
+    ("nvidia", "fp32"): EXACT,
     # nvidia weight-only int8 (per channel) / int4 (symmetric blocks, lm_head int8) over fp16: the packaged
     # DequantizeLinear graph on ONNX Runtime (MatMulNBits accuracy level 0, float activations), 512-slot
     # cache; measured top-1, mean KL, max KL, ppl change beside each row, rows ~5x on the KLs. int4's own

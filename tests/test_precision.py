@@ -141,6 +141,8 @@ def test_cli_refuses_bad_modes_before_any_export(tmp_path: Path) -> None:
     for args, needle in [(["--weights", "int3"], "--weights is one of"),
                          (["--weights", "int4", "--group-size", "48"], "--group-size is one of 32, 64, 128, not 48"),
                          (["--kv", "int8", "--target", "nvidia"], "builds KV-cache precisions fp16, bf16"),
+                         # a TensorRT engine keeps its cache in its own float type
+                         (["--weights", "fp32", "--kv", "fp16", "--target", "nvidia"], "--weights fp32 takes --kv fp32"),
                          # a combination nobody measured has no row to verify against (not a KeyError after the build)
                          (["--weights", "int8", "--kv", "int8"], "has no tolerance row for int8+kv-int8")]:
         p = subprocess.run([sys.executable, "-m", "kvexport", "build", "-o", str(tmp_path / "x.kvx"), *args],

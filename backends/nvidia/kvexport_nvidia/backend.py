@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvexport.backends import Backend, BuildOptions, Capabilities, Option, Progress
+from kvexport.backends import AutoMode, Backend, BuildOptions, Capabilities, Option, Progress
 from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, UnsupportedFeatureError
 from kvexport.manifest import Manifest
 from kvexport.runtime.ring import RingSpec
@@ -19,9 +19,13 @@ from kvexport_nvidia.quantize import MODES as QUANT_MODES
 from kvexport_nvidia.quantize import check_mode
 
 ENGINE_DIR = "engine"
-PREPARED = "prepared.onnx"  # the lowered IR: fp16/bf16, cache_len pinned, parser-ready
+PREPARED = "prepared.onnx"  # the lowered IR: fp16/bf16 (fp32 to verify), cache_len pinned, parser-ready
 PLAN = "model.plan"
-PRECISION_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}
+PRECISION_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+# fp32 engines are for verification and debugging: the fp32 packaged graph meets the strict bar against
+# the reference, so a difference in an fp16/bf16 engine can be told apart from a lowering bug. `auto` and
+# the default stay fp16 (bf16 on request): fp32 reads twice the bytes a decode step needs.
+SERVING_PRECISIONS = ("fp16", "bf16")
 OPTIONS = (
     Option("defer", "bool", False, "package the prepared IR; the engine is built at first load on the GPU"),
     Option("max_prefill", "int", None, "longest prefill chunk the engine takes (default: max_seq)"),
@@ -66,18 +70,19 @@ class NvidiaBackend(Backend):
         return Capabilities(
             name="nvidia",
             description="TensorRT engine: in-place KV-cache update, fused attention and RoPE layers, "
-                        "CUDA-graph decode (NVIDIA GPU, TensorRT >= 10.15)",
+                        "CUDA-graph decode (NVIDIA GPU, TensorRT >= 10.15); fp16 by default and under auto, "
+                        "--weights fp32 to verify or debug against the reference",
             ir_cache_style="static",
             cache_policy="fixed",  # IKVCacheUpdateLayer and graph capture need the static max_seq cache
             ring_cache=True,  # sliding layers: a ring of min(window, max_seq) slots written by IScatterLayer (rings.py)
             # int8/int4: weight-only, DequantizeLinear on the weights (kvexport_nvidia.quantize); int8 per channel
-            precisions=("fp16", "bf16", "int8", "int4"),
+            precisions=("fp16", "bf16", "fp32", "int8", "int4"),
             default_precision="fp16",
             devices=("cuda",),
             sdk=("tensorrt", "torch"),
             deferred_build=True,
             threads_option=False,
-            kv_modes=("fp16", "bf16"),
+            kv_modes=("fp16", "bf16", "fp32"),
             kv_follows_weights=True,  # the cache is in the engine's dtype
             options=OPTIONS,
         )
@@ -102,13 +107,18 @@ class NvidiaBackend(Backend):
         return problems
 
     def build_options(self, options: BuildOptions) -> dict[str, Any]:
-        """Also refuses, before the export, a block size for int8: its weights are per channel, as TensorRT's
-        INT8 weights have always been."""
-        if (options.weights or options.precision) == "int8" and options.group_size not in (
-                None, self.capabilities().default_group_size["int8"]):
+        """Also refuses, before the export, a block size for int8 (its weights are per channel, as TensorRT's
+        INT8 weights have always been) and a cache in another float type than the engine's."""
+        weights = options.weights or options.precision
+        if weights == "int8" and options.group_size not in (None, self.capabilities().default_group_size["int8"]):
             raise InputError(f"nvidia int8 keeps one scale per output channel; drop --group-size {options.group_size}, "
                              "or use --weights int4 for block scales")
+        engine_dtype(weights or self.capabilities().default_precision, options.kv)
         return super().build_options(options)
+
+    def auto_modes(self, flags: set[str]) -> list[AutoMode]:
+        """fp16 with its fp16 cache: the serving default on every GPU; fp32 is asked for by name only."""
+        return [AutoMode("fp16", "fp16", "fp16: the nvidia default (fp32 is for verification, by name only)")]
 
     # --- build ----------------------------------------------------------------------------------
     def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
@@ -118,11 +128,7 @@ class NvidiaBackend(Backend):
         group_size = options.group_size if weights == "int4" else None
         if quantized:
             check_mode(weights, group_size)
-        # int8/int4 weights dequantize to the engine's float type: the --kv one (the cache is in it too)
-        precision = (options.kv or caps.default_precision) if quantized else weights
-        if precision not in PRECISION_DTYPE:
-            raise InputError(f"the nvidia target builds fp16 or bf16 engines (int8/int4 weights over fp16 or bf16), "
-                             f"not {precision!r} (--weights fp16|bf16|int8|int4, --kv fp16|bf16)")
+        precision = engine_dtype(weights, options.kv)
         ir_dtype = manifest.raw["ir"]["dtype"]
         if ir_dtype not in ("float32", PRECISION_DTYPE[precision]):
             raise InputError(f"this IR is {ir_dtype}; a {precision} engine needs an fp32 or {precision} IR")
@@ -165,7 +171,7 @@ class NvidiaBackend(Backend):
 
             info = probe_device()
             plan = build_engine(engine_dir / PREPARED, profiles, workspace_bytes=_mb(build_opts["workspace_mb"]),
-                                progress=progress, fp32_layers=report.fp32_layers)
+                                progress=progress, fp32_layers=report.fp32_layers, precision=precision)
             (engine_dir / PLAN).write_bytes(plan)
             files.append(f"{ENGINE_DIR}/{PLAN}")
             fingerprint = info.fingerprint()
@@ -213,7 +219,7 @@ class NvidiaBackend(Backend):
 
         target = manifest.target or {}
         ir_sha = manifest.raw["files"][f"{ENGINE_DIR}/{PREPARED}.data"] + manifest.raw["files"][f"{ENGINE_DIR}/{PREPARED}"]
-        build_opts = {k: target["options"].get(k) for k in ("max_batch", "max_prefill", "opt_prefill", "workspace_mb")}
+        build_opts = rebuild_options(target)
         entry_dir = fp.cache_root() / fp.cache_key(ir_sha, info.fingerprint(), build_opts)
         plan_path, entry_path = entry_dir / PLAN, entry_dir / "entry.json"
         if cached_plan_ok(entry_path, plan_path, info.fingerprint(), ir_sha):
@@ -222,7 +228,8 @@ class NvidiaBackend(Backend):
         profiles = profiles_from_target(target)
         say(f"building the engine into {entry_dir}")
         plan = build_engine(folder / ENGINE_DIR / PREPARED, profiles, workspace_bytes=_mb(build_opts["workspace_mb"]),
-                            progress=say, fp32_layers=target["options"].get("lowering", {}).get("fp32_layers", ()))
+                            progress=say, fp32_layers=target["options"].get("lowering", {}).get("fp32_layers", ()),
+                            precision=build_opts["model_dtype"] or "fp16")
         entry_dir.mkdir(parents=True, exist_ok=True)
         tmp = plan_path.with_suffix(".partial")
         tmp.write_bytes(plan)
@@ -264,10 +271,38 @@ class NvidiaBackend(Backend):
 
 
 # --- helpers (pure, tested without a GPU) ---------------------------------------------------------
+def engine_dtype(weights: str, kv: str | None) -> str:
+    """The engine's float type (its activations and its cache) for --weights/--kv, or a typed refusal.
+    Float weights are the engine's type and the cache is in it too; int8/int4 weights dequantize into an
+    fp16 or bf16 engine, the --kv one. fp32 engines hold fp32 weights (they exist to verify, not to serve)."""
+    if weights in QUANT_MODES:
+        precision = kv or "fp16"
+        if precision not in SERVING_PRECISIONS:
+            raise InputError(f"nvidia {weights} weights dequantize into an fp16 or bf16 engine (--kv fp16|bf16), "
+                             f"not {precision}; for an fp32 engine build --weights fp32")
+        return precision
+    if weights not in PRECISION_DTYPE:
+        raise InputError(f"the nvidia target builds fp16, bf16 or fp32 engines (or int8/int4 weights over fp16/bf16), "
+                         f"not {weights!r} (--weights fp16|bf16|fp32|int8|int4)")
+    if kv is not None and kv != weights:
+        raise InputError(f"a TensorRT engine keeps its cache in its own float type: --weights {weights} takes "
+                         f"--kv {weights} (or no --kv), not --kv {kv}")
+    return weights
+
+
 def unavailable_message(reasons: list[str]) -> str:
     return ("target 'nvidia' cannot build an engine here: " + "; ".join(reasons) + ". "
             "Run the build on the GPU machine, or package the prepared IR now with `--defer` (or `--option defer=true`): "
             "the artifact then builds its TensorRT engine at first load on an NVIDIA GPU (minutes, once; cached).")
+
+
+REBUILD_KEYS = ("max_batch", "max_prefill", "opt_prefill", "workspace_mb", "model_dtype")
+
+
+def rebuild_options(target: dict[str, Any]) -> dict[str, Any]:
+    """The build options a rebuilt plan's cache folder is keyed by (fingerprint.cache_key), the engine's float
+    type among them as well as in the IR's hash: an fp32 plan never serves an fp16 artifact."""
+    return {k: target["options"].get(k) for k in REBUILD_KEYS}
 
 
 def profiles_from_target(target: dict[str, Any]) -> list[Profile]:
@@ -293,4 +328,5 @@ def _mb(value: int | None) -> int | None:
     return None if value is None else value * (1 << 20)
 
 
-__all__ = ["NvidiaBackend", "cached_plan_ok", "profiles_from_target", "unavailable_message"]
+__all__ = ["NvidiaBackend", "cached_plan_ok", "engine_dtype", "profiles_from_target", "rebuild_options",
+           "unavailable_message"]

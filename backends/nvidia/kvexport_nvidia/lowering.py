@@ -5,7 +5,7 @@ The parser maps `TensorScatter` onto IKVCacheUpdateLayer, `Attention` onto IAtte
 the cache needs a static sequence length (we pin `cache_len` to max_seq), IRotaryEmbeddingLayer
 takes (B, N, S, H) input (the IR feeds RoPE (B, S, N*H) with `num_heads`), `Attention` may have
 only its first output, and on TensorRT 11 the ONNX dtypes decide precision (we convert the fp32
-IR to fp16/bf16, keeping the logits fp32). Every pass keeps the graph runnable in ONNX Runtime,
+IR to fp16/bf16, keeping the logits fp32, or leave it fp32 for an fp32 engine). Every pass keeps the graph runnable in ONNX Runtime,
 which is how the tests hold them to the reference.
 """
 from __future__ import annotations

@@ -82,9 +82,12 @@ def parser_errors(parser: Any) -> list[str]:
 
 
 def build_engine(onnx_path: Path, profiles: list[Profile], *, workspace_bytes: int | None = None,
-                 progress: Callable[[str], None] | None = None, fp32_layers: Collection[str] = ()) -> bytes:
+                 progress: Callable[[str], None] | None = None, fp32_layers: Collection[str] = (),
+                 precision: str = "fp16") -> bytes:
     """Parse the lowered ONNX file, add the profiles, build and return the serialized plan.
-    fp32_layers: the ONNX nodes the lowering kept fp32 (MoE routers); their parsed layers must be fp32."""
+    fp32_layers: the ONNX nodes the lowering kept fp32 (MoE routers); their parsed layers must be fp32.
+    precision: the engine's float type (the lowering's); the parsed cache inputs must be of it, and an fp32
+    engine must hold no 16-bit layer and is built without TF32 (fp32_builder_config)."""
     say = progress or (lambda _m: None)
     trt = import_tensorrt()
     log: list[str] = []
@@ -102,7 +105,10 @@ def build_engine(onnx_path: Path, profiles: list[Profile], *, workspace_bytes: i
         )
     _check_network_io(network, profiles)
     check_fp32_layers(trt, network, fp32_layers)
+    check_precision(trt, network, precision)
     config = builder.create_builder_config()
+    if precision == "fp32":
+        fp32_builder_config(trt, config)
     if workspace_bytes:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
     for p in profiles:
@@ -156,6 +162,43 @@ def check_fp32_layers(trt: Any, network: Any, nodes: Collection[str]) -> None:
             + "; ".join(wrong + [f"no layer for node {n!r}" for n in missing[:4]])
             + ". The prepared graph came from an older kvexport or was edited: rebuild the artifact."
         )
+
+
+CACHE_PREFIX = "past_key_values."
+
+
+def check_precision(trt: Any, network: Any, precision: str) -> None:
+    """The strongly typed network runs in the ONNX file's types: the parsed KV-cache inputs (which the
+    IKVCacheUpdateLayer writes in place, in float32, float16 or bfloat16 by its documented types) must be
+    the engine's float type, and an fp32 engine must have no float16/bfloat16 layer output at all (IAttention,
+    IRotaryEmbeddingLayer and IScatterLayer document float32 inputs too, so nothing in the graph needs one)."""
+    want = {"fp32": trt.float32, "fp16": trt.float16, "bf16": trt.bfloat16}[precision]
+    wrong = []
+    for i in range(network.num_inputs):
+        t = network.get_input(i)
+        if t.name.startswith(CACHE_PREFIX) and t.dtype != want:
+            wrong.append(f"cache input {t.name} is {t.dtype}")
+    if precision == "fp32":
+        narrow = (trt.float16, trt.bfloat16)
+        for i in range(network.num_layers):
+            layer = network.get_layer(i)
+            wrong += [f"layer {layer.name} output {j} is {layer.get_output(j).dtype}"
+                      for j in range(layer.num_outputs) if layer.get_output(j).dtype in narrow]
+    if wrong:
+        raise EngineBuildError(
+            f"the parsed network is not the {precision} engine its manifest records: " + "; ".join(wrong[:6])
+            + (f" (and {len(wrong) - 6} more)" if len(wrong) > 6 else "")
+            + ". The prepared graph came from an older kvexport or was edited: rebuild the artifact."
+        )
+
+
+def fp32_builder_config(trt: Any, config: Any) -> None:
+    """An fp32 engine computes in full fp32: TensorRT's builder allows TF32 (inputs rounded to 10-bit
+    mantissas) for float32 matrix products by default, which would break the strict bar fp32 is for, so
+    the TF32 flag is cleared where the installed TensorRT still has it."""
+    flag = getattr(getattr(trt, "BuilderFlag", None), "TF32", None)
+    if flag is not None:
+        config.clear_flag(flag)
 
 
 def deserialize(plan: bytes) -> tuple[Any, Any]:

@@ -49,7 +49,8 @@ def test_registered_and_capabilities() -> None:
     caps = b.capabilities()
     assert isinstance(b, NvidiaBackend)
     assert caps.ir_cache_style == "static" and caps.cache_policy == "fixed" and caps.deferred_build
-    assert caps.default_precision == "fp16" and set(caps.precisions) == {"fp16", "bf16", "int8", "int4"}
+    assert caps.default_precision == "fp16" and set(caps.precisions) == {"fp16", "bf16", "fp32", "int8", "int4"}
+    assert caps.kv_modes == ("fp16", "bf16", "fp32")  # the first: the cache under int8/int4 weights
     assert "tensorrt" not in sys.modules  # registering and asking imports no SDK
 
 
@@ -82,7 +83,10 @@ def test_build_here_fails_before_work_and_offers_defer(tiny_ir: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("options, match", [
-    (BuildOptions(precision="fp32", extra={"defer": True}), "fp16 or bf16"),
+    (BuildOptions(precision="fp8", extra={"defer": True}), "fp16, bf16 or fp32 engines"),
+    (BuildOptions(weights="fp32", kv="fp16", extra={"defer": True}), "--weights fp32 takes --kv fp32"),
+    (BuildOptions(weights="fp16", kv="bf16", extra={"defer": True}), "--weights fp16 takes --kv fp16"),
+    (BuildOptions(weights="int4", group_size=32, kv="fp32", extra={"defer": True}), "int4 weights dequantize into an fp16"),
     (BuildOptions(extra={"defer": True, "bogus": 1}), "unknown nvidia option"),
     (BuildOptions(extra={"defer": True, "max_prefill": 10_000}), "max_prefill"),
     (BuildOptions(extra={"defer": True, "max_prefill": "many"}), "integer"),
@@ -107,6 +111,54 @@ def test_deferred_packaging(deferred: Path) -> None:
     assert [p["name"] for p in opts["profiles"]] == ["prefill", "decode"]
     assert opts["lowering"]["rope_rewritten"] == 4 and opts["lowering"]["precision"] == "fp16"
     check_integrity(folder, m)
+
+
+def test_fp32_engine_is_recorded_cached_apart_and_verifies_strict(tiny_ir: Path, tiny_ckpt: Path, deferred: Path,
+                                                                   tmp_path: Path) -> None:
+    """--weights fp32: the manifest's target says fp32 everywhere it says fp16 for the default engine, with the
+    same profiles; a plan rebuilt for it is cached under another key even for the same IR bytes; and its packaged
+    graph passes `kvexport verify` at the strict (nvidia, fp32) row."""
+    from kvexport.runtime.engine import Engine
+    from kvexport.verify import verify_engine
+
+    folder = _copy_ir(tiny_ir, tmp_path / "fp32.kvx")
+    m = read(folder)
+    NvidiaBackend().build(folder, m, BuildOptions(weights="fp32", max_batch=4, extra={"defer": True}), lambda _m: None)
+    finish(folder, m)
+    folder, m = open_artifact(folder)
+    t, half = m.target, read(deferred).target
+    assert t["precision"] == t["weights"]["dtype"] == t["options"]["model_dtype"] == "fp32"
+    assert t["options"]["lowering"]["precision"] == "fp32" and half["options"]["model_dtype"] == "fp16"
+    assert t["options"]["profiles"] == half["options"]["profiles"]
+    assert t["weights"]["bytes"] > 1.9 * half["weights"]["bytes"]  # fp32 weights: twice fp16's bytes
+    keys = {name: fp.cache_key("same IR", FAKE.fingerprint(), nb.rebuild_options(x)) for name, x in
+            (("fp32", t), ("fp16", half))}
+    assert keys["fp32"] != keys["fp16"]
+    report = verify_engine(Engine(folder, m, OrtTwinSession(folder / ENGINE_DIR / PREPARED, m)), tiny_ckpt,
+                           decode_steps=12)
+    assert (report.backend, report.precision) == ("nvidia", "fp32") and report.passed, report.failures
+    assert report.summary["max_abs_logit"] < 1e-4 and report.summary["greedy_agreement"] == 1.0
+
+
+def test_precision_flags_resolve_before_any_export(tiny_ckpt: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto stays fp16 with its fp16 cache (fp32 is asked for by name); an impossible pair is an InputError
+    raised before the export starts."""
+    import kvexport.artifact
+    from kvexport.build import build
+    from kvexport.precision import resolve
+
+    auto = resolve(NvidiaBackend(), BuildOptions(weights="auto"), set())
+    assert (auto.weights, auto.kv) == ("fp16", "fp16")
+    named = resolve(NvidiaBackend(), BuildOptions(weights="fp32"), set())
+    assert (named.weights, named.kv) == ("fp32", "fp32")
+    quant = resolve(NvidiaBackend(), BuildOptions(weights="int8"), set())
+    assert quant.kv == "fp16"  # int8 weights dequantize into the fp16 engine by default
+    monkeypatch.setattr(kvexport.artifact, "export_artifact", lambda *a, **k: pytest.fail("exported"))
+    for weights, kv in (("fp32", "bf16"), (None, "fp32"), ("int8", "fp32")):
+        with pytest.raises(InputError, match="--kv"):
+            build(tiny_ckpt, tmp_path / "x.kvx", target="nvidia", verify=False,
+                  options=BuildOptions(weights=weights, kv=kv, extra={"defer": True}))
 
 
 def test_deferred_graph_verifies_against_the_reference(deferred: Path, tiny_ckpt: Path) -> None:
@@ -182,8 +234,7 @@ def test_mismatch_uses_a_verified_cached_rebuild(deferred: Path, tmp_path: Path,
     m = read(folder)
     files = m.raw["files"]
     ir_sha = files[f"{ENGINE_DIR}/{PREPARED}.data"] + files[f"{ENGINE_DIR}/{PREPARED}"]
-    opts = {k: m.target["options"].get(k) for k in ("max_batch", "max_prefill", "opt_prefill", "workspace_mb")}
-    entry = fp.cache_root() / fp.cache_key(ir_sha, FAKE.fingerprint(), opts)
+    entry = fp.cache_root() / fp.cache_key(ir_sha, FAKE.fingerprint(), nb.rebuild_options(m.target))
     entry.mkdir(parents=True)
     (entry / PLAN).write_bytes(b"rebuilt plan")
     from kvexport.checkpoint import sha256_file

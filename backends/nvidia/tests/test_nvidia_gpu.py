@@ -185,3 +185,18 @@ def test_mistral_on_rings_generates_past_max_seq_like_its_packaged_graph(tmp_pat
         engine.decode(b, np.array([t + 5]))
     assert b.state.captures == 2 and b.state.replays == 1
     assert [c.shape[2] for c in b.state.caches] == [TINY_CONFIGS["mistral"]["sliding_window"]] * 4
+
+
+def test_fp32_engine_builds_and_verifies_strict(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """--weights fp32 on TensorRT: the engine is built without TF32 and its build-time verify holds it to the
+    strict (nvidia, fp32) row: identical greedy tokens and max |dlogit| within 1e-4 of transformers fp32."""
+    from kvexport.build import build
+    from kvexport.tolerances import tolerance
+
+    out = build(tiny_ckpt, tmp_path / "tiny-nv-fp32.kvx", target="nvidia", max_seq=MAX_SEQ,
+                options=BuildOptions(weights="fp32", max_batch=2), verify=True)
+    m = read(out)
+    assert m.target["precision"] == m.target["options"]["model_dtype"] == "fp32"
+    v = m.raw["verification"]
+    assert v["passed"] and v["greedy_agreement"] == 1.0
+    assert v["max_abs_logit"] <= tolerance("nvidia", "fp32").max_abs_logit

@@ -108,6 +108,24 @@ def test_fp16_dtypes_and_fp32_logits(ir) -> None:  # type: ignore[no-untyped-def
         assert np.abs(r - h).max() < 0.05
 
 
+def test_fp32_graph_is_float32_throughout(ir) -> None:  # type: ignore[no-untyped-def]
+    """The fp32 engine's graph: the parser form of the fp16 one with no dtype conversion at all, so the
+    strongly typed network TensorRT parses from it (trt_build.check_precision) holds no 16-bit tensor."""
+    model = copy.deepcopy(ir[0])
+    report = lower(model, max_seq=MAX_SEQ, precision="fp32", pairs=ir[1])
+    g = model.graph
+    assert {i.data_type for i in g.initializer} <= {TensorProto.FLOAT, TensorProto.INT64}
+    elem = {vi.name: vi.type.tensor_type.elem_type for vi in [*g.input, *g.output]}
+    assert elem["past_key_values.0.key"] == elem["present.1.value"] == elem["logits"] == TensorProto.FLOAT
+    casts = [helper.get_attribute_value(a) for n in g.node if n.op_type == "Cast" for a in n.attribute if a.name == "to"]
+    assert not {TensorProto.FLOAT16, TensorProto.BFLOAT16} & set(casts)
+    assert not [n for n in g.node if "logits" in n.output and n.op_type == "Cast"]  # logits straight from lm_head
+    assert report.precision == "fp32" and report.fp16_clipped == 0 and report.fp32_layers == []
+    fp16 = _lowered(ir, "fp16")
+    ops = lambda m: sorted(n.op_type for n in m.graph.node if n.op_type != "Cast")  # noqa: E731
+    assert ops(model) == ops(fp16)  # the same layers for IAttention, IKVCacheUpdateLayer, RoPE as the fp16 engine's
+
+
 def test_bf16_weights_round_like_torch(ir) -> None:  # type: ignore[no-untyped-def]
     """ONNX Runtime has no bf16 Attention kernel on CPU: the bf16 graph is checked by structure
     and by its weights, which must be torch's round-to-nearest-even bf16 of the fp32 ones."""

@@ -39,6 +39,9 @@ class _Error:
         return "Attention"
 
 
+DTYPES = ("DataType.FLOAT", "DataType.HALF", "DataType.BF16")  # trt.float32, trt.float16, trt.bfloat16
+
+
 def fake_trt(version: str = "10.15.1", *, parse_ok: bool = False, plan: bytes | None = None) -> types.ModuleType:
     trt = types.ModuleType("tensorrt")
     trt.__version__ = version  # type: ignore[attr-defined]
@@ -53,7 +56,7 @@ def fake_trt(version: str = "10.15.1", *, parse_ok: bool = False, plan: bytes | 
             pass
 
     class Network:
-        num_inputs = 1
+        num_inputs, num_layers = 1, 0
 
         def get_input(self, i: int) -> Any:
             return types.SimpleNamespace(name="input_ids")
@@ -69,7 +72,8 @@ def fake_trt(version: str = "10.15.1", *, parse_ok: bool = False, plan: bytes | 
         def create_builder_config(self) -> Any:
             return types.SimpleNamespace(
                 set_memory_pool_limit=lambda pool, n: calls.__setitem__("workspace", n),
-                add_optimization_profile=lambda p: calls.__setitem__("profiles", calls["profiles"] + 1))
+                add_optimization_profile=lambda p: calls.__setitem__("profiles", calls["profiles"] + 1),
+                clear_flag=lambda flag: calls.setdefault("cleared", []).append(flag))
 
         def create_optimization_profile(self) -> Any:
             return types.SimpleNamespace(set_shape=lambda *a: calls["shapes"].append(a))
@@ -93,6 +97,9 @@ def fake_trt(version: str = "10.15.1", *, parse_ok: bool = False, plan: bytes | 
 
     trt.ILogger, trt.Builder, trt.OnnxParser = ILogger, Builder, OnnxParser  # type: ignore[attr-defined]
     trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=1)  # type: ignore[attr-defined]
+    trt.BuilderFlag = types.SimpleNamespace(TF32="BuilderFlag.TF32")  # type: ignore[attr-defined]
+    trt.float32, trt.float16, trt.bfloat16 = DTYPES  # type: ignore[attr-defined]
+    trt.int32, trt.int64 = "DataType.INT32", "DataType.INT64"  # type: ignore[attr-defined]
     trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE=0)  # type: ignore[attr-defined]
     return trt
 
@@ -179,3 +186,41 @@ def test_router_layers_parsed_in_fp16_are_refused() -> None:
         trt_build.check_fp32_layers(trt, half, nodes)
     with pytest.raises(EngineBuildError, match=r"no layer for node 'layers.1.mlp/TopK_0'"):
         trt_build.check_fp32_layers(trt, network({"layers.1.mlp.router/Gemm_0": [trt.float32]}), nodes)
+
+
+def test_fp32_engines_are_built_without_tf32(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """TF32 rounds fp32 matrix inputs to 10-bit mantissas and is on by default: an fp32 build clears it,
+    an fp16 build leaves the builder's defaults alone (its precision is the ONNX file's)."""
+    trt = fake_trt(parse_ok=True, plan=b"PLAN")
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    build_engine(tmp_path / "prepared.onnx", PROFILES, precision="fp16")
+    assert "cleared" not in trt.calls  # type: ignore[attr-defined]
+    build_engine(tmp_path / "prepared.onnx", PROFILES, precision="fp32")
+    assert trt.calls["cleared"] == ["BuilderFlag.TF32"]  # type: ignore[attr-defined]
+    assert trt.calls["flags"] == 2  # type: ignore[attr-defined]  # strongly typed, as at fp16
+
+
+def _typed_network(inputs: dict[str, str], layers: dict[str, list[str]]) -> Any:
+    ins = [types.SimpleNamespace(name=n, dtype=d) for n, d in inputs.items()]
+    lays = [types.SimpleNamespace(name=name, num_outputs=len(d), get_output=lambda j, d=d: types.SimpleNamespace(dtype=d[j]))
+            for name, d in layers.items()]
+    return types.SimpleNamespace(num_inputs=len(ins), get_input=lambda i: ins[i],
+                                 num_layers=len(lays), get_layer=lambda i: lays[i])
+
+
+def test_parsed_network_must_be_the_engine_precision() -> None:
+    """The cache inputs (IKVCacheUpdateLayer's in-place tensors) are of the engine's type, and an fp32 network
+    has no 16-bit layer: what TensorRT parsed is what the manifest records."""
+    f32, f16, bf16 = DTYPES
+    trt = types.SimpleNamespace(float32=f32, float16=f16, bfloat16=bf16)
+    cache = {"input_ids": "DataType.INT64", "past_key_values.0.key": f32, "past_key_values.0.value": f32}
+    layers = {"layers.0.attn/Attention_0": [f32], "layers.0.attn/TensorScatter_0": [f32], "lm_head/MatMul_0": [f32]}
+    trt_build.check_precision(trt, _typed_network(cache, layers), "fp32")
+    with pytest.raises(EngineBuildError, match=r"not the fp16 engine.*past_key_values.0.key is DataType.FLOAT"):
+        trt_build.check_precision(trt, _typed_network(cache, layers), "fp16")
+    half = {**layers, "layers.0.mlp/MatMul_0": [f16]}
+    with pytest.raises(EngineBuildError, match=r"layer layers.0.mlp/MatMul_0 output 0 is DataType.HALF"):
+        trt_build.check_precision(trt, _typed_network(cache, half), "fp32")
+    # an fp16 network's layers may be anything its ONNX types say (the routers stay fp32); its cache is fp16
+    trt_build.check_precision(trt, _typed_network({**cache, "past_key_values.0.key": f16,
+                                                   "past_key_values.0.value": f16}, half), "fp16")
