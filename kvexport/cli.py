@@ -406,10 +406,12 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     ring = RingSpec.of(m)  # the IR's rings, or the engine's own (intel's state)
     if ring is not None:
         item = max(1, per_slot // (2 * cache["num_layers"] * cache["kv_heads"] * cache["head_dim"]))  # bytes an element
-        rings, full = cache_bytes(m, cache["max_seq"], item)
+        held, swap, full = cache_bytes(m, cache["max_seq"], item)
+        swapped = (f" ({swap} bytes of them the rings' swap buffers: the engine writes each ring into a second "
+                   "buffer that swaps with it every step)") if swap else ""
         print(f"  sliding layers on rings: {len(ring.layers)} of {cache['num_layers']} keep {ring.window} slots; "
-              f"{rings} bytes ({rings / 2**20:.2f} MiB) per row at max_seq beside {full} bytes ({full / 2**20:.2f} MiB) "
-              "were every layer full length"
+              f"{held} bytes ({held / 2**20:.2f} MiB) per row at max_seq{swapped} beside {full} bytes "
+              f"({full / 2**20:.2f} MiB) were every layer full length"
               + (f"; positions up to {ring.max_positions} (past max_seq)" if ring.every_layer else ""))
     print("  inputs:")
     for io in m.inputs:

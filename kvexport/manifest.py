@@ -98,6 +98,9 @@ def validate(raw: Any) -> None:
         _check_fields(raw["target"], _TARGET, "target")
         if not isinstance(raw["target"].get("deferred", False), bool):
             raise ManifestError("manifest.json: `target.deferred` has the wrong type")
+        buffers = raw["target"].get("ring_buffers", 1)  # optional: 2 where each ring has a swap buffer
+        if type(buffers) is not int or buffers not in (1, 2):
+            raise ManifestError(f"manifest.json: `target.ring_buffers` is 1 or 2, not {buffers!r}; rebuild the artifact")
     for kind in ("inputs", "outputs"):
         for i, io in enumerate(raw[kind]):
             _check_fields(io, {"name": str, "dtype": str, "shape": list}, f"{kind}[{i}]")

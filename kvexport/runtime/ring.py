@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -114,14 +114,23 @@ def step_pieces(input_ids: np.ndarray, position_ids: np.ndarray, attention_mask:
         yield input_ids[:, a:b], position_ids[:, a:b], attention_mask[:, :, a:b, : T + b]
 
 
-def cache_bytes(manifest: Any, slots: int, itemsize: int) -> tuple[int, int]:
-    """(bytes with the rings, bytes were every layer full length) of one row's cache at `slots` held,
-    from the manifest's geometry: what `kvexport inspect` prints beside each other."""
+class CacheBytes(NamedTuple):
+    """One row's cache bytes at some slots held: what `kvexport inspect` prints beside each other."""
+
+    held: int  # with the rings, their swap buffers included
+    swap: int  # of `held`, the rings' second buffers (target.ring_buffers 2), else 0
+    full: int  # were every layer full length
+
+
+def cache_bytes(manifest: Any, slots: int, itemsize: int) -> CacheBytes:
+    """One row's cache bytes at `slots` held, from the manifest's geometry. An engine that writes each ring into
+    a second buffer swapped with it every step (the target records `ring_buffers`: 2) holds each ring twice."""
     c = manifest.cache
     per_slot = 2 * int(c["kv_heads"]) * int(c["head_dim"]) * itemsize  # K and V of one layer
     spec = RingSpec.of(manifest)
     full = int(c["num_layers"]) * slots * per_slot
     if spec is None:
-        return full, full
+        return CacheBytes(full, 0, full)
     ring = len(spec.layers) * min(spec.window, slots) * per_slot
-    return (int(c["num_layers"]) - len(spec.layers)) * slots * per_slot + ring, full
+    swap = (int((manifest.target or {}).get("ring_buffers", 1)) - 1) * ring
+    return CacheBytes((int(c["num_layers"]) - len(spec.layers)) * slots * per_slot + ring + swap, swap, full)

@@ -181,6 +181,8 @@ class NvidiaBackend(Backend):
                                   "deferred": defer,
                                   "weights": {"dtype": weights, "group_size": group_size,
                                               "bytes": report.initializer_bytes}}
+        if ring is not None:  # a ring's present is IScatterLayer's new tensor: a second buffer, swapped each step
+            manifest.raw["target"]["ring_buffers"] = 2
 
     # --- load -------------------------------------------------------------------------------------
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,

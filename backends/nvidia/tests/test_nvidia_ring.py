@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-from kvexport.artifact import export_artifact, finish, open_artifact
+from kvexport.artifact import open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.manifest import read
 from kvexport.runtime.ring import MASK_INPUT, RingSpec
@@ -22,15 +22,13 @@ W = TINY_CONFIGS["mistral"]["sliding_window"]  # 24
 
 
 def _built(tmp: Path, family: str) -> tuple[Path, Path]:
-    """(checkpoint, artifact): the ring IR `kvexport build --target nvidia` exports, lowered and packaged."""
+    """(checkpoint, artifact): the ring IR lowered and packaged by `kvexport build --target nvidia --defer`."""
+    from kvexport.build import build
+
     ckpt = write_checkpoint(TINY_CONFIGS[family], tmp / family, seed=5)
-    backend = NvidiaBackend()
-    assert backend.capabilities().ring_cache
-    folder = export_artifact(ckpt, tmp / f"{family}.kvx", max_seq=MAX_SEQ, ring=True)
-    m = read(folder)
-    assert not backend.check(m)
-    backend.build(folder, m, BuildOptions(max_batch=2, extra={"defer": True}), lambda _m: None)
-    finish(folder, m)
+    assert NvidiaBackend().capabilities().ring_cache
+    folder = build(ckpt, tmp / f"{family}.kvx", target="nvidia", max_seq=MAX_SEQ, verify=False,
+                   options=BuildOptions(max_batch=2, extra={"defer": True}))
     return ckpt, folder
 
 
@@ -88,6 +86,30 @@ def test_generates_4x_the_window_past_max_seq_token_identical(mistral: tuple[Pat
     assert [c.shape[2] for c in b.state.caches] == [W] * 4 and b.slots == len(prompt) + n - 1
     ref = Reference(ckpt, MAX_SEQ).logits(prompt + toks[:-1])[len(prompt) - 1:]
     assert toks == ref.argmax(-1).tolist()
+
+
+def test_inspect_counts_each_rings_swap_buffer_as_the_session_holds_it(mistral: tuple[Path, Path],
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A ring's present is a second buffer swapped with it every step: `kvexport inspect` counts it, labelled, and
+    its bytes at max_seq are the ones the session holds for one row."""
+    from kvexport.cli import main
+    from kvexport.errors import ManifestError
+    from kvexport.manifest import validate
+
+    folder = mistral[1]
+    assert read(folder).target["ring_buffers"] == 2  # type: ignore[index]
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    ring = 2 * 2 * 2 * W * 16 * 2  # layers x (K, V) x kv heads x W x head_dim x fp16
+    e = _engine(folder)
+    assert e.session.cache_bytes(e.session.new_state(1, MAX_SEQ)) == 2 * ring
+    assert (f"keep {W} slots; {2 * ring} bytes ({2 * ring / 2**20:.2f} MiB) per row at max_seq ({ring} bytes of them "
+            "the rings' swap buffers") in out, out
+    assert f"beside {ring * MAX_SEQ // W} bytes" in out, out  # every layer full length: max_seq slots, one buffer
+    raw = read(folder).raw
+    raw["target"]["ring_buffers"] = 3
+    with pytest.raises(ManifestError, match="ring_buffers` is 1 or 2, not 3"):
+        validate(raw)
 
 
 def test_gemma2_keeps_global_layers_full_length_and_verifies(tmp_path: Path) -> None:
