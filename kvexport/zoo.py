@@ -8,6 +8,7 @@ Every checkpoint gets a byte-level tokenizer that decodes every id of its vocabu
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -148,6 +149,15 @@ NAMED_MODELS: dict[str, dict[str, Any]] = {
     "default": DEFAULT_MODEL,
     **{f"tiny-{k}": v for k, v in TINY_CONFIGS.items()},
 }
+
+
+def transformers_config(hf_config: dict[str, Any]) -> Any:
+    """`transformers.AutoConfig.for_model` of one of these dicts (or one made from them), built from a deep copy:
+    transformers writes into nested dicts (phi3's rope_parameters gains original_max_position_embeddings), which
+    would change TINY_CONFIGS for everything that runs after it in the process."""
+    import transformers
+
+    return transformers.AutoConfig.for_model(**copy.deepcopy(hf_config))
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -1,6 +1,7 @@
 """The architecture table, config mapping, checkpoint reading and their typed errors."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from kvexport.architectures import ARCHITECTURES, config_problems, map_config
 from kvexport.checkpoint import load_checkpoint
 from kvexport.errors import CheckpointError, UnsupportedArchitectureError, UnsupportedFeatureError, WeightShapeError
-from kvexport.zoo import BENCH_125M, TINY_CONFIGS, write_checkpoint
+from kvexport.zoo import BENCH_125M, TINY_CONFIGS, transformers_config, write_checkpoint
 
 
 def test_every_registered_family_has_a_tiny_test_config() -> None:
@@ -104,11 +105,11 @@ def test_transformers_v4_rope_fields_are_read() -> None:
 def test_gemma_configs_without_keys_take_transformers_defaults() -> None:
     """Absent keys mean transformers' class defaults (softcaps 50/30 for Gemma 2, none for Gemma 3); null turns
     a softcap off; Gemma 3's 4.x RoPE fields (rope_theta, rope_scaling, rope_local_base_freq) read as 5's."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     keys = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "head_dim", "sliding_window")
     bare = {k: v for k, v in TINY_CONFIGS["gemma2"].items() if k not in keys}
     mine = map_config(bare)
-    hf = transformers.AutoConfig.for_model(**bare)
+    hf = transformers_config(bare)
     assert (mine.attn_logit_softcap, mine.final_logit_softcap) == (hf.attn_logit_softcapping, hf.final_logit_softcapping)
     assert (mine.head_dim, mine.sliding_window, mine.attention_scale) == (hf.head_dim, hf.sliding_window,
                                                                         hf.query_pre_attn_scalar**-0.5)
@@ -117,8 +118,20 @@ def test_gemma_configs_without_keys_take_transformers_defaults() -> None:
     v4 = map_config({**g3, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
                      "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     assert v4 == map_config(TINY_CONFIGS["gemma3_text"])
-    hf3 = transformers.AutoConfig.for_model(**{**g3, "num_hidden_layers": 8})
+    hf3 = transformers_config({**g3, "num_hidden_layers": 8})
     assert map_config({**g3, "num_hidden_layers": 8}).layer_types == tuple(hf3.layer_types)
+
+
+def test_transformers_config_leaves_the_zoo_dicts_as_written() -> None:
+    """transformers writes into a config's nested dicts (phi3's longrope rope_parameters gains
+    original_max_position_embeddings); the zoo hands it a deep copy, so TINY_CONFIGS stays as written for every
+    test after it in the process (a pytest-xdist worker runs several files in one)."""
+    pytest.importorskip("transformers")
+    before = copy.deepcopy(TINY_CONFIGS["phi3"])
+    hf = transformers_config(TINY_CONFIGS["phi3"])
+    assert "original_max_position_embeddings" in hf.rope_parameters  # what transformers wrote, into its copy
+    assert "original_max_position_embeddings" not in before["rope_parameters"]
+    assert TINY_CONFIGS["phi3"] == before
 
 
 def test_unknown_model_type_names_supported_families() -> None:
@@ -254,6 +267,6 @@ def test_qwen3_moe_routed_layers_are_those_transformers_builds() -> None:
     transformers = pytest.importorskip("transformers")
     raw = {**TINY_CONFIGS["qwen3_moe"], "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [1]}
     cfg = map_config(raw)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**raw))
+    hf = transformers.AutoModelForCausalLM.from_config(transformers_config(raw))
     routed = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
     assert [i for i in range(4) if cfg.is_moe_layer(i)] == routed == [3]

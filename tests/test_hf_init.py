@@ -6,14 +6,13 @@ which the ONNX exporter stores once. The backends that rebuild the owned decoder
 """
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvexport.zoo import TINY_CONFIGS, write_byte_tokenizer
+from kvexport.zoo import TINY_CONFIGS, transformers_config, write_byte_tokenizer
 
 FAMILIES = sorted(TINY_CONFIGS)  # every registered family
 MAX_SEQ = 80  # verify's 33-token prompt + 32 decode steps; amd compiles the cache static at this size
@@ -24,11 +23,8 @@ def hf_init_checkpoint(family: str, out: Path) -> Path:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    # a deep copy: transformers writes into the nested rope_parameters (phi3 gains original_max_position_embeddings),
-    # which would change TINY_CONFIGS for every test that runs after this one in the same process
-    cfg = copy.deepcopy(TINY_CONFIGS[family])
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    model = transformers.AutoModelForCausalLM.from_config(transformers_config(TINY_CONFIGS[family]))
     model.save_pretrained(str(out))
     write_byte_tokenizer(out)  # the zoo's byte-level tokenizer: the artifact needs one
     return out
