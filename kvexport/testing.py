@@ -23,6 +23,19 @@ def greedy_logits(engine: Any, prompt: Sequence[int], n: int) -> np.ndarray:
     return np.array(out)
 
 
+def greedy_against_reference(engine: Any, model_dir: Path, prompt: Sequence[int],
+                             steps: int) -> tuple[list[int], list[int], dict[str, float]]:
+    """`steps` greedy tokens of one request through `engine` (greedy_logits), the tokens transformers picks at the
+    same positions fed the engine's own tokens (kvexport.verify.Reference), and kvexport.verify.compare's stats
+    of the two (steps, V) logits: the families' strict check on every target."""
+    from kvexport.verify import Reference, compare
+
+    logits = greedy_logits(engine, prompt, steps)
+    tokens = [int(t) for t in logits.argmax(-1)]
+    ref = Reference(model_dir, engine.max_seq).logits(list(prompt) + tokens[:-1])[len(prompt) - 1:]  # (steps, V)
+    return tokens, [int(t) for t in ref.argmax(-1)], compare(ref, logits)
+
+
 def prefill_decode_gap(engine: Any, ids: Sequence[int], n: int) -> float:
     """max |logits| difference between prefill(ids[:n]) + decode(ids[n]) and prefill(ids[:n + 1]) (the cache check)."""
     b = engine.prefill(list(ids[:n]), 1)

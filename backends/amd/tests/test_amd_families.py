@@ -19,12 +19,13 @@ import torch
 from kvexport.artifact import export_artifact, open_artifact
 from kvexport.export import decoder_from_ir
 from kvexport.runtime.engine import Engine
-from kvexport.verify import Reference, cache_checks, compare
+from kvexport.testing import greedy_against_reference
+from kvexport.verify import cache_checks
 from kvexport.zoo import TINY_CONFIGS, write_checkpoint
 from kvexport_amd import lowering
 from kvexport_amd.session import AotiSession
 
-from conftest import AMD_COMPILED_FAMILIES, AMD_FAMILIES, AMD_MAX_BATCH, AMD_MAX_SEQ, engine_greedy
+from conftest import AMD_COMPILED_FAMILIES, AMD_FAMILIES, AMD_MAX_BATCH, AMD_MAX_SEQ
 
 STEPS = 64
 
@@ -65,10 +66,8 @@ def exported_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tupl
 def test_greedy_64_steps_and_cache_checks_match_transformers(family: str, exported_engines: dict) -> None:
     ckpt, engine = exported_engines[family]
     prompt = [int(t) for t in np.random.default_rng(5).integers(3, 259, 9)]
-    tokens, logits = engine_greedy(engine, prompt, STEPS)
-    ref = Reference(ckpt, engine.max_seq).logits(prompt + tokens[:-1])[len(prompt) - 1:]  # (STEPS, V)
-    stats = compare(ref, logits)
-    assert list(ref.argmax(-1)) == tokens  # transformers picks the same token at every one of the 64 steps
+    tokens, ref_tokens, stats = greedy_against_reference(engine, ckpt, prompt, STEPS)
+    assert ref_tokens == tokens  # transformers picks the same token at every one of the 64 steps
     assert stats["max_abs_logit"] < 1e-4, stats
     checks = cache_checks(engine, np.random.default_rng(0), lambda _m: None)
     # prefill(N)+decode(1) == prefill(N+1); a left-padded batch of 3 equals its rows alone

@@ -11,7 +11,7 @@ import pytest
 from kvexport.artifact import export_artifact, finish, open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.manifest import read
-from kvexport.testing import greedy_logits
+from kvexport.testing import greedy_against_reference
 from kvexport.tolerances import tolerance
 from kvexport.zoo import TINY_CONFIGS, write_checkpoint
 from kvexport_nvidia.backend import ENGINE_DIR, PREPARED, NvidiaBackend
@@ -96,16 +96,13 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> _Exports:
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
 def test_fp32_graph_matches_transformers_for_64_greedy_steps_and_its_cache_checks(family: str, exports: _Exports) -> None:
-    from kvexport.verify import Reference, cache_checks, compare
+    from kvexport.verify import cache_checks
 
     ckpt, engine = exports.engine(family, "fp32", MAX_SEQ)
     prompt = [int(t) for t in np.random.default_rng(5).integers(3, 259, 9)]
-    logits = greedy_logits(engine, prompt, STEPS)  # (STEPS, V): the prompt's last, then one per greedy token
-    tokens = [int(t) for t in logits.argmax(-1)]
-    ref = Reference(ckpt, engine.max_seq).logits(prompt + tokens[:-1])[len(prompt) - 1:]  # (STEPS, V)
-    stats = compare(ref, logits)
+    tokens, ref_tokens, stats = greedy_against_reference(engine, ckpt, prompt, STEPS)
     strict = tolerance("nvidia", "fp32")
-    assert list(ref.argmax(-1)) == tokens  # transformers picks the same token at every one of the 64 steps
+    assert ref_tokens == tokens  # transformers picks the same token at every one of the 64 steps
     assert stats["max_abs_logit"] < strict.max_abs_logit, stats
     checks = cache_checks(engine, np.random.default_rng(0), lambda _m: None)
     # prefill(N)+decode(1) == prefill(N+1); a left-padded batch of 3 equals its rows alone
