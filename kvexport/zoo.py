@@ -101,7 +101,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 BENCH_125M: dict[str, Any] = {
     "model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
     "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000,
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }

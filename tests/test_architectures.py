@@ -91,7 +91,7 @@ def test_every_config_field_differs_from_its_default_in_some_family() -> None:
 def test_bench_125m_matches_benchmarks_md() -> None:
     c = map_config(BENCH_125M)
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (768, 12, 12, 4)
-    assert (c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (2048, 32000, 2048)
+    assert (c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (2048, 32000, 8192)
     assert 120e6 < c.num_parameters() < 130e6
 
 
