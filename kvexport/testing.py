@@ -46,6 +46,26 @@ def prefill_decode_gap(engine: Any, ids: Sequence[int], n: int) -> float:
     return float(np.abs(stepped - whole.logits[0]).max())
 
 
+def prefill_pieces_gap(engine: Any, ids: Sequence[int], piece: int, n: int = 8) -> tuple[float, list[int]]:
+    """A prompt prefilled in pieces of `piece` tokens (kvexport.runtime.session.PREFILL_PIECE set to it)
+    against the same prompt in one call, each followed by n-1 greedy steps: (max |logits| difference over
+    the n positions, the engine calls each prefill took: [whole, in pieces])."""
+    from kvexport.runtime import session
+
+    runs, calls = [], []
+    saved = session.PREFILL_PIECE
+    try:
+        for limit in (len(ids), piece):
+            session.PREFILL_PIECE = limit
+            b = engine.prefill(list(ids), n)
+            calls.append(int(b.state.steps))
+            engine.session.release(b.state)
+            runs.append(greedy_logits(engine, ids, n))
+    finally:
+        session.PREFILL_PIECE = saved
+    return float(np.abs(runs[0] - runs[1]).max()), calls
+
+
 def run_staggered(rows: Rows, prompts: Sequence[Sequence[int]], n_new: int, where: Sequence[int],
                   chunk: int, capacity: int = 80) -> list[np.ndarray]:
     """Drive `rows` as a continuous-batching scheduler would: prompt i enters row where[i] at step 3*i,

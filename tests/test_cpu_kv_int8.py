@@ -17,6 +17,7 @@ from kvexport.backends import BuildOptions
 from kvexport.backends.cpu import ENGINE_DIR, OPT_MODEL
 from kvexport.backends.cpu_kv import K_SCALE_INPUT, V_SCALE_INPUT, channel_scales
 from kvexport.runtime.engine import Engine
+from kvexport.testing import prefill_pieces_gap
 from kvexport.tolerances import precision_key
 
 from tests.conftest import MAX_SEQ, random_ids
@@ -146,6 +147,13 @@ def test_decode_writes_in_place_and_growth_copies_once_per_step(int8_engine: Eng
     assert len(events) >= 2 and grown.state.capacity > start_capacity
     assert sum(1 for c in copied if c) == len(events)  # copies only on the steps that grew
     assert s.cache_bytes_copied(fixed.state) == 0
+
+
+def test_a_prompt_prefilled_in_pieces_matches_one_call(int8_engine: Engine) -> None:
+    """The quantized cache takes a long prompt's pieces (PREFILL_PIECE) over the int8 past it already holds."""
+    gap, calls = prefill_pieces_gap(int8_engine, random_ids(50, seed=3), 16)
+    assert calls == [1, 4]
+    assert gap < 1e-3, gap  # the same int8 rows either way; only the float sums' order differs
 
 
 def test_tiny_family_at_kv_int8_verifies_against_its_row(int8_engine: Engine, checkpoints: dict[str, Path]) -> None:

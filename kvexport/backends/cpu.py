@@ -19,7 +19,7 @@ from kvexport.errors import ArtifactError, InputError
 from kvexport.manifest import Manifest
 from kvexport.runtime.buffers import aligned_zeros, capacity_for, regrow
 from kvexport.runtime.ring import MASK_INPUT, RingSpec, chunks, sliding_mask
-from kvexport.runtime.session import Session
+from kvexport.runtime.session import Session, piece_limit
 
 ENGINE_DIR = "engine"
 FUSED_TMP = "model.fused.tmp.onnx"
@@ -358,8 +358,11 @@ class CpuSession(Session):
                              f"limit of {self.limit}")
         T = total - S
         logits = state.logits[:, 0, :]
-        # a ring takes at most `window` new rows a step (more would overwrite each other): longer ones in pieces
-        pieces = chunks(S, self.ring.window if self.ring else None)
+        # a ring takes at most `window` new rows a step (more would overwrite each other): longer ones in pieces;
+        # at batch 1 a long prompt also goes in pieces of PREFILL_PIECE (GroupQueryAttention scores each new row
+        # against every slot held after the step, the causal mask applied after: one call of N rows pays N x N)
+        window = self.ring.window if self.ring else None
+        pieces = chunks(S, piece_limit(window) if B == 1 else window)
         if B > 1 and len(pieces) > 1 and not self.ring.every_layer:  # type: ignore[union-attr]
             # the full-length layers' GroupQueryAttention takes several new rows over a past at batch 1 only
             # (ONNX Runtime 1.31): after the first piece a batch goes on one token a step

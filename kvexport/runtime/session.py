@@ -6,6 +6,18 @@ from typing import Any
 
 import numpy as np
 
+# Prompt tokens one engine call takes where a session cuts a long prefill into pieces (cpu at batch 1,
+# intel): each piece attends over the slots held so far plus its own, so the attention scores of a
+# prompt of N tokens stop at about N^2/2 + N*PREFILL_PIECE/2 instead of the full N x N square that an
+# explicit mask makes the kernels compute, and a piece's scores (heads x PREFILL_PIECE x N) stay in
+# cache. docs/performance.md has the measurement at prompt 4096.
+PREFILL_PIECE = 256
+
+
+def piece_limit(window: int | None) -> int:
+    """Most new tokens one call may take: PREFILL_PIECE, or a ring's window where that is smaller."""
+    return min(window, PREFILL_PIECE) if window else PREFILL_PIECE
+
 
 class Session(ABC):
     """A loaded engine. The runtime's Engine drives it; a Session never tokenizes or samples.
