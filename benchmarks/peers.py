@@ -9,6 +9,13 @@ the CPU build kvexport pins): kvexport does not depend on them.
     python benchmarks/peers.py build out/bench-1b -o out/peers --group-size 32 --modes fp32,int4
     python benchmarks/peers.py bench out/b1-int4.kvx out/peers/ortgenai-int4-g32 out/peers/openvino-int4-g32 \
         --prompt-lens 32,512 --rounds 3
+    python benchmarks/peers.py bench out/b125-kv8.kvx out/peers/openvino-fp32@kv=u8 out/peers/openvino-fp32@kv=f32 \
+        --prompt-lens 4096 --rounds 3
+
+An OpenVINO system written `FOLDER@kv=u8` keeps that KV cache precision (f32, f16 or u8) whatever --ov-kv
+says, so one run can time the same peer with both caches; `FOLDER@batched_tokens=256` cuts its prefill
+into scheduler steps of that many tokens. A kvexport system written `ART@piece=4096` prefills in engine
+calls of that many tokens instead of the runtime's PREFILL_PIECE (before against after, in one run).
 
 `bench` runs the protocol of docs/benchmarks.md: greedy, 64 new tokens, batch 1, 2 threads, every
 system warmed up and then timed back to back in each round; it reports each system's best round
@@ -34,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 VENV = HERE / ".peers-venv"
 PEER_PYTHON = VENV / "bin" / "python"
 REQUIREMENTS = HERE / "peers-requirements.txt"
+OV_KV = ("f32", "u8", "f16")  # OpenVINO's KV_CACHE_PRECISION values a peer may be timed with
 CONSTRAINTS = HERE / "peers-constraints.txt"
 
 
@@ -60,12 +68,15 @@ def prompt_ids(n: int, vocab: int) -> list[int]:
 class KvexportRunner:
     def __init__(self, path: Path, threads: int, options: dict[str, str]):
         import kvexport
+        from kvexport.runtime import session
 
+        if "piece" in options:
+            session.PREFILL_PIECE = int(options["piece"])
         self.engine = kvexport.load(str(path), threads=threads)
         self.vocab = self.engine.vocab_size
         target = self.engine.manifest.target or {}
         self.info = {"kvexport": kvexport.__version__, "backend": target.get("backend"),
-                     "weights": target.get("weights"), "kv": target.get("kv")}
+                     "weights": target.get("weights"), "kv": target.get("kv"), "prefill_piece": session.PREFILL_PIECE}
 
     def run(self, ids: list[int], new: int) -> dict[str, float]:
         from kvexport.bench import bench_engine
@@ -113,7 +124,8 @@ class OpenVinoRunner:
     """OpenVINO GenAI's LLMPipeline on CPU. Properties that differ silently from kvexport's are set
     (threads, one stream, f32 inference precision) or reported: the CPU plugin keeps a u8 KV cache by
     default on x86, so the cache precision is set explicitly (--ov-kv, default f32 like kvexport's
-    default cache), prefix caching is off (every round sends the same prompt), and its dynamic
+    default cache), prefix caching is off (every round sends the same prompt), its prompt is prefilled in one
+    step as LLMPipeline does by default (the bare SchedulerConfig would cut it into 256-token chunks), and its dynamic
     quantization of activations (what MatMulNBits calls accuracy level) is printed as the plugin
     reports it."""
 
@@ -129,8 +141,11 @@ class OpenVinoRunner:
         # its prefill (measured: TTFT 0.2 s for 512 tokens); every engine here computes every prompt
         sched = ov_genai.SchedulerConfig()
         sched.enable_prefix_caching = False
+        # the bare SchedulerConfig batches 256 tokens a step, so a long prompt's prefill would run in 256-token
+        # chunks; LLMPipeline's own latency default (the one it picks without a scheduler config) is unlimited
+        sched.max_num_batched_tokens = int(options.get("batched_tokens", 2**63 - 1))
         self.pipe = ov_genai.LLMPipeline(str(path), "CPU", scheduler_config=sched, **props)
-        props = {**props, "enable_prefix_caching": False}
+        props = {**props, "enable_prefix_caching": False, "max_num_batched_tokens": sched.max_num_batched_tokens}
         core = ov.Core()
         self.vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
         defaults = {}
@@ -181,8 +196,9 @@ def worker(a: argparse.Namespace) -> None:
 
 
 class Worker:
-    def __init__(self, path: Path, threads: int, options: dict[str, str]):
+    def __init__(self, path: Path, threads: int, options: dict[str, str], label: str | None = None):
         self.path, self.kind = path, kind_of(path)
+        self.label = label or str(path)
         python = sys.executable if self.kind == "kvexport" else str(PEER_PYTHON)
         if self.kind != "kvexport" and not PEER_PYTHON.is_file():
             sys.exit(f"error: {self.kind} runs in {VENV}, which does not exist; run `python {__file__} setup` first")
@@ -211,34 +227,58 @@ class Worker:
         self.proc.wait()
 
 
+SPEC_KEYS = {"openvino": ("kv", "batched_tokens"), "kvexport": ("piece",), "ortgenai": ()}
+
+
+def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
+    """`FOLDER` or `FOLDER@key=value,...`: the system's folder and its worker options. An OpenVINO peer takes
+    kv=f32|f16|u8 (its cache precision; --ov-kv where not given) and batched_tokens=N (its scheduler's
+    max_num_batched_tokens; unlimited where not given, as LLMPipeline's own latency default); a kvexport
+    artifact takes piece=N (the prompt tokens one engine call takes, kvexport.runtime.session.PREFILL_PIECE)."""
+    folder, _, tail = text.partition("@")
+    kind = kind_of(Path(folder))
+    options = {"ov_kv": ov_kv}
+    for item in filter(None, tail.split(",")):
+        key, _, value = item.partition("=")
+        if key not in SPEC_KEYS[kind] or not (value in OV_KV if key == "kv" else value.isdigit() and int(value) > 0):
+            sys.exit(f"error: {text!r}: a {kind} system takes {', '.join(f'{k}=' for k in SPEC_KEYS[kind]) or 'no'} "
+                     f"options after its folder, not {item!r}")
+        options["ov_kv" if key == "kv" else key] = value
+    return Path(folder), options
+
+
 def bench(a: argparse.Namespace) -> None:
-    paths = [Path(p) for p in a.systems]
-    options = {"ov_kv": a.ov_kv}
+    specs = [(label, *system_spec(label, a.ov_kv)) for label in a.systems]
+    paths = [Path(label) for label, _, _ in specs]
     prompts = [int(x) for x in a.prompt_lens.split(",")]
     print(f"cpu: {_cpu_name()}; {a.threads} threads, {a.new_tokens} new tokens, greedy, batch 1, "
           f"{a.rounds} interleaved rounds", flush=True)
     workers = []
-    for p in paths:  # loaded one after another; each warms itself up before it says ready
-        w = Worker(p, a.threads, options)
-        print(f"  {p} [{w.kind}]: {json.dumps(w.info)}", flush=True)
+    for label, p, options in specs:  # loaded one after another; each warms itself up before it says ready
+        w = Worker(p, a.threads, options, label)
+        print(f"  {label} [{w.kind}]: {json.dumps(w.info)}", flush=True)
         workers.append(w)
-    report: dict = {"systems": {str(w.path): {"kind": w.kind, "info": w.info} for w in workers}, "prompts": {}}
+    report: dict = {"systems": {w.label: {"kind": w.kind, "info": w.info} for w in workers}, "prompts": {}}
     try:
         for p in prompts:
-            runs: dict[str, list[dict]] = {str(w.path): [] for w in workers}
+            runs: dict[str, list[dict]] = {w.label: [] for w in workers}
             for r in range(a.rounds):
                 for w in workers:
-                    runs[str(w.path)].append(w.run(p, a.new_tokens))
+                    runs[w.label].append(w.run(p, a.new_tokens))
                 print(f"prompt {p} round {r + 1}: " + ", ".join(
-                    f"{Path(k).name} {v[-1]['decode_tok_s']:.1f} tok/s" for k, v in runs.items()), flush=True)
-            first = runs[str(workers[0].path)]
+                    f"{Path(k).name} {v[-1]['decode_tok_s']:.1f} tok/s ttft {v[-1]['ttft_s']:.2f} s" for k, v in runs.items()),
+                      flush=True)
+            first = runs[workers[0].label]
             row = {}
             for key, rs in runs.items():
                 paired = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(rs, first)]
                 row[key] = {"decode_tok_s": max(x["decode_tok_s"] for x in rs), "ttft_s": min(x["ttft_s"] for x in rs),
                             "tokens": min(x["tokens"] for x in rs), "decode_tok_s_per_round": [x["decode_tok_s"] for x in rs],
+                            "ttft_s_per_round": [x["ttft_s"] for x in rs],
                             "decode_ratio_vs_first_median_round": statistics.median(paired)}
                 row[key]["ttft_ratio_vs_first"] = row[key]["ttft_s"] / min(x["ttft_s"] for x in first)
+                row[key]["ttft_ratio_vs_first_median_round"] = statistics.median(
+                    x["ttft_s"] / y["ttft_s"] for x, y in zip(rs, first))
             report["prompts"][str(p)] = row
     finally:
         for w in workers:
@@ -247,11 +287,13 @@ def bench(a: argparse.Namespace) -> None:
         print(json.dumps(report, indent=2))
         return
     for p, row in report["prompts"].items():
-        print(f"prompt {p} (ratios to {paths[0].name}: median of per-round paired decode ratios; best TTFT over best):")
+        print(f"prompt {p} (ratios to {paths[0].name}: median of per-round paired decode ratios; best TTFT over best, "
+              "and the median of per-round paired TTFT ratios):")
         for key, v in row.items():
             short = "" if v["tokens"] == a.new_tokens else f"  (stopped after {v['tokens']} tokens)"
             print(f"  {Path(key).name:28s} decode {v['decode_tok_s']:7.1f} tok/s  x{v['decode_ratio_vs_first_median_round']:.2f}   "
-                  f"ttft {v['ttft_s'] * 1e3:8.1f} ms  x{v['ttft_ratio_vs_first']:.2f}{short}")
+                  f"ttft {v['ttft_s'] * 1e3:8.1f} ms  x{v['ttft_ratio_vs_first']:.2f} "
+                  f"(per-round median x{v['ttft_ratio_vs_first_median_round']:.2f}){short}")
 
 
 def _cpu_name() -> str:
@@ -356,7 +398,7 @@ def main() -> None:
     s.add_argument("--new-tokens", type=int, default=64)
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--rounds", type=int, default=3)
-    s.add_argument("--ov-kv", choices=("f32", "u8", "f16"), default="f32",
+    s.add_argument("--ov-kv", choices=OV_KV, default="f32",
                    help="OpenVINO's KV cache precision (its CPU plugin defaults to u8 on x86; kvexport's default cache is fp32)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=bench)
