@@ -36,6 +36,22 @@ def greedy_against_reference(engine: Any, model_dir: Path, prompt: Sequence[int]
     return tokens, [int(t) for t in ref.argmax(-1)], compare(ref, logits)
 
 
+def hf_init_checkpoint(family: str, out: Path) -> Path:
+    """transformers' own random init of the tiny config of `family` (zero biases, unit norms), saved as
+    transformers saves it, with the zoo's byte-level tokenizer beside it (an artifact needs one)."""
+    import torch
+    import transformers
+
+    from kvexport.zoo import TINY_CONFIGS, transformers_config, write_byte_tokenizer
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers_config(TINY_CONFIGS[family]))
+    model.save_pretrained(str(out))
+    write_byte_tokenizer(out)
+    return out
+
+
 def prefill_decode_gap(engine: Any, ids: Sequence[int], n: int) -> float:
     """max |logits| difference between prefill(ids[:n]) + decode(ids[n]) and prefill(ids[:n + 1]) (the cache check)."""
     b = engine.prefill(list(ids[:n]), 1)

@@ -12,22 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvexport.zoo import TINY_CONFIGS, transformers_config, write_byte_tokenizer
+from kvexport.testing import hf_init_checkpoint
+from kvexport.zoo import TINY_CONFIGS
 
 FAMILIES = sorted(TINY_CONFIGS)  # every registered family
 MAX_SEQ = 80  # verify's 33-token prompt + 32 decode steps; amd compiles the cache static at this size
-
-
-def hf_init_checkpoint(family: str, out: Path) -> Path:
-    """transformers' own random init of the tiny config, saved as transformers saves it."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers_config(TINY_CONFIGS[family]))
-    model.save_pretrained(str(out))
-    write_byte_tokenizer(out)  # the zoo's byte-level tokenizer: the artifact needs one
-    return out
 
 
 class _LazyCheckpoints(dict):
