@@ -1,5 +1,5 @@
-"""A long prompt is prefilled in pieces of PREFILL_PIECE tokens (cpu at batch 1, intel): the pieces give the
-logits one call over the whole prompt gives, and the engine really takes several calls."""
+"""A long prompt is prefilled in pieces of PREFILL_PIECE tokens (cpu at batch 1): the pieces give the logits
+one call over the whole prompt gives, and the engine really takes several calls; the intel engine takes one."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,7 +33,8 @@ def test_cpu_batch_prefill_stays_one_call(artifacts: dict[str, Path]) -> None:
         session.PREFILL_PIECE = saved
 
 
-def test_intel_prefill_in_pieces_matches_one_call(intel_builds: dict[str, Path]) -> None:
+def test_intel_prefill_stays_one_call(intel_builds: dict[str, Path]) -> None:
+    """OpenVINO's fused attention with state took longer for a 4096-token prompt in pieces than in one call."""
     gap, calls = prefill_pieces_gap(kvexport.load(str(intel_builds["llama"])), random_ids(PROMPT, seed=3), PIECE)
-    assert calls == [1, 4]
+    assert calls == [1, 1]
     assert gap < EXACT.max_abs_logit, gap

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-# Prompt tokens one engine call takes where a session cuts a long prefill into pieces (cpu at batch 1,
-# intel): each piece attends over the slots held so far plus its own, so the attention scores of a
+# Prompt tokens one engine call takes where a session cuts a long prefill into pieces (the cpu target at
+# batch 1): each piece attends over the slots held so far plus its own, so the attention scores of a
 # prompt of N tokens stop at about N^2/2 + N*PREFILL_PIECE/2 instead of the full N x N square that an
 # explicit mask makes the kernels compute, and a piece's scores (heads x PREFILL_PIECE x N) stay in
 # cache. docs/performance.md has the measurement at prompt 4096.

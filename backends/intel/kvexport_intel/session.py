@@ -10,7 +10,7 @@ import numpy as np
 
 from kvexport.errors import ContextOverflowError, InputError
 from kvexport.runtime.ring import MASK_INPUT, RingSpec, sliding_mask, step_pieces
-from kvexport.runtime.session import Session, piece_limit
+from kvexport.runtime.session import Session
 
 # Additive mask value for slots a token may not see. Finite, so that a row that sees nothing
 # (never a real token's row) stays finite instead of NaN; exp(-1e30 - max) is exactly 0.0 in
@@ -167,10 +167,10 @@ class IntelSession(Session):
         if attention_mask.shape != (B, 1, S, total):
             raise InputError(f"attention_mask has shape {attention_mask.shape}; this state holds {state.slots} slots, "
                              f"so a step of {S} tokens needs (B, 1, S, T+S) = {(B, 1, S, total)}")
-        # a long prompt goes in pieces (PREFILL_PIECE), and a ring takes at most `window` new rows a step (more
-        # would overwrite each other)
-        for piece in step_pieces(input_ids, position_ids, attention_mask,
-                                 piece_limit(self.ring.window if self.ring else None)):
+        # a ring takes at most `window` new rows a step (more would overwrite each other): longer ones in pieces.
+        # A long prompt is not cut otherwise: OpenVINO's fused attention with state took more time for a 4096-token
+        # prompt in PREFILL_PIECE pieces than in one call (docs/performance.md, prompt 4096 on bench-125m)
+        for piece in step_pieces(input_ids, position_ids, attention_mask, self.ring.window if self.ring else None):
             logits = self._step(state, *piece)
         return logits
 
