@@ -3,8 +3,11 @@
 attention-with-state node on `intel`, GroupQueryAttention on `cpu`): bench-125m's shape as a mistral with
 window 512, seeded random, fp32, 2 threads. Interleaved rounds of greedy decode steps per prompt length;
 prints each round, the cache bytes the session holds and the median per-round speed ratio ring / full.
+On intel the engine loaded second measured faster in the same process (ring / full 0.82x loaded full first,
+0.67x ring first), so run both `--load-order`s and report both.
 
     python benchmarks/ring_speed.py [--target intel|cpu] [--workdir DIR] [--rounds 3] [--steps 64] [--prompts 32,1536]
+                                    [--load-order ring,full|full,ring]
 """
 from __future__ import annotations
 
@@ -44,10 +47,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompts", default="32,1536")
+    ap.add_argument("--load-order", default="ring,full", choices=("ring,full", "full,ring"))
     a = ap.parse_args()
     ckpt = write_checkpoint(CONFIG, a.workdir / "bench-mistral", seed=0)
     engines = {}
-    for name, ring in (("ring", "true"), ("full", "false")):
+    for name in a.load_order.split(","):
+        ring = "true" if name == "ring" else "false"
         out = a.workdir / f"bench-mistral-{a.target}-{name}.kvx"
         if not out.exists():
             build(ckpt, out, target=a.target, max_seq=2048, verify=False,

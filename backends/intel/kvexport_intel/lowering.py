@@ -55,16 +55,19 @@ class BeamConcat(ConcatTorch):
     def attend_ring(self, q: Tensor, k: Tensor, v: Tensor, step: Step, past_k: Tensor, past_v: Tensor,
                     cfg: DecoderConfig) -> tuple[Tensor, Tensor, Tensor]:
         assert step.window is not None and step.write_index is not None
-        past_k, past_v = past_k.index_select(0, self.beam_idx), past_v.index_select(0, self.beam_idx)  # (B, H_kv, R, D)
-        y = self.attention(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), step.mask, cfg)
-        return y, self.ring_write(past_k, k, step), self.ring_write(past_v, v, step)
+        k_all = torch.cat([past_k.index_select(0, self.beam_idx), k], dim=2)  # (B, H_kv, R + S, D)
+        v_all = torch.cat([past_v.index_select(0, self.beam_idx), v], dim=2)
+        y = self.attention(q, k_all, v_all, step.mask, cfg)
+        return y, self.ring_write(k_all, k, step), self.ring_write(v_all, v, step)
 
     @staticmethod
-    def ring_write(ring: Tensor, new: Tensor, step: Step) -> Tensor:
-        """ring (B, H_kv, R, D) with R = min(W, T) -> (B, H_kv, min(W, T + S), D): zero rows appended up to that
-        length (none once R = W), then the S new rows written at slots (T + s) mod length. S <= W (ring.chunks)."""
-        grown = torch.cat([ring, torch.zeros_like(new)], dim=2)[:, :, : step.window]  # (B, H_kv, min(W, R+S), D)
-        return scatter_rows(grown, new, step.write_index, circular=True)
+    def ring_write(both: Tensor, new: Tensor, step: Step) -> Tensor:
+        """both (B, H_kv, R + S, D), the ring (R = min(W, T) slots) then the S new rows, the Concat the attention
+        read -> the ring (B, H_kv, min(W, T + S), D): its first min(W, R + S) rows, with the S new rows written at
+        slots (T + s) mod that length. Below W the new rows already sit at their slots T + s; once they pass W
+        the scatter wraps them. S <= W (ring.chunks). Reusing the attention's Concat saves a second one (with
+        zero rows) per K and V: fewer ring-sized copies a step."""
+        return scatter_rows(both[:, :, : step.window], new, step.write_index, circular=True)
 
     def attention(self, q: Tensor, k_all: Tensor, v_all: Tensor, mask: Tensor, cfg: DecoderConfig) -> Tensor:
         """q (B, H_q, S, D) over k_all, v_all (B, H_kv, N, D) under the additive mask (B, 1, S, N)."""
