@@ -8,9 +8,9 @@ import numpy as np
 
 # Prompt tokens one engine call takes where a session cuts a long prefill into pieces (the cpu target at
 # batch 1): each piece attends over the slots held so far plus its own, so the attention scores of a
-# prompt of N tokens stop at about N^2/2 + N*PREFILL_PIECE/2 instead of the full N x N square that an
-# explicit mask makes the kernels compute, and a piece's scores (heads x PREFILL_PIECE x N) stay in
-# cache. docs/performance.md has the measurement at prompt 4096.
+# prompt of N tokens stop at about N^2/2 + N*PREFILL_PIECE/2 where one call under an explicit mask may
+# compute the N x N square, and a piece's scratch holds heads x PREFILL_PIECE x N scores.
+# docs/performance.md has the measurements at prompt 4096 (a gain under load, within noise on a quiet machine).
 PREFILL_PIECE = 256
 
 
