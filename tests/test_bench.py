@@ -119,6 +119,24 @@ def test_compare_refuses_an_artifact_of_another_model(artifacts: dict[str, Path]
     check_comparable(artifacts["llama"], [artifacts["llama"]])
 
 
+def test_compare_takes_an_older_manifest_without_the_newer_default_fields(artifacts: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """An artifact of the same checkpoint built by a kvexport that did not yet write a field (its value then was
+    the default) is the same model; a field absent there but not at its default here is a difference."""
+    raw = json.loads((artifacts["llama"] / "manifest.json").read_text())
+    cfg = raw["model"]["config"]
+    assert cfg["layer_types"] == [] and cfg["num_experts"] == 0  # llama: both at DecoderConfig's defaults
+    del cfg["layer_types"], cfg["num_experts"]
+    (tmp_path / "old.kvx").mkdir()
+    (tmp_path / "old.kvx" / "manifest.json").write_text(json.dumps(raw))
+    check_comparable(artifacts["llama"], [tmp_path / "old.kvx"])
+    check_comparable(tmp_path / "old.kvx", [artifacts["llama"]])
+    raw["model"]["config"]["num_experts"] = 8
+    (tmp_path / "old.kvx" / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(InputError, match="num_experts"):
+        check_comparable(artifacts["llama"], [tmp_path / "old.kvx"])
+
+
 @pytest.mark.parametrize("text", ["32,x", "0,512", ""])
 def test_bad_prompt_lens_are_refused(text: str) -> None:
     with pytest.raises(InputError, match="--prompt-lens"):
