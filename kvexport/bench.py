@@ -259,35 +259,16 @@ def parse_prompt_lens(text: str) -> tuple[int, ...]:
     return lens
 
 
-def _config_defaults() -> dict[str, object]:
-    """DecoderConfig's defaults as a manifest writes them (JSON: tuples as lists, nested configs as dicts)."""
-    import dataclasses
-    import json
-
-    from kvexport.config import DecoderConfig
-
-    out: dict[str, object] = {}
-    for f in dataclasses.fields(DecoderConfig):
-        if f.default is not dataclasses.MISSING:
-            value = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            value = f.default_factory()
-        else:
-            continue
-        out[f.name] = json.loads(json.dumps(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value))
-    return out
-
-
 def check_comparable(main: Path, others: list[Path]) -> None:
     """Ratios between artifacts mean something only for one model: every --compare artifact must hold the
     main one's model config (its weight and cache modes, max_seq and target may differ). Reads manifests only."""
     from kvexport.errors import InputError
     from kvexport.manifest import read
 
-    defaults = _config_defaults()  # a field an older kvexport did not write holds its default
-    want = {**defaults, **read(Path(main)).raw["model"]["config"]}
+    # through DecoderConfig, so a field an older kvexport did not write compares as its default
+    want = read(Path(main)).config.to_dict()
     for other in others:
-        got = {**defaults, **read(Path(other)).raw["model"]["config"]}
+        got = read(Path(other)).config.to_dict()
         diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
         if diff:
             raise InputError(f"--compare {other} holds another model than {main} (config differs in "
