@@ -5,6 +5,8 @@ token for token with the same request served alone. One cluster for the module (
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -58,6 +60,11 @@ def cluster(artifact: Path) -> Iterator[str]:
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    # Ray Serve kills a proxy not ready within 5 s and one whose health check takes 10 s; a loaded 2-core machine
+    # (the suite's other worker building) starts a proxy slower than that. The raylets pass this environment on.
+    slow = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+    saved = {k: os.environ.get(k) for k in slow}
+    os.environ.update(slow)
     node = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
     c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     try:
@@ -74,6 +81,11 @@ def cluster(artifact: Path) -> Iterator[str]:
         finally:
             ray.shutdown()
             c.shutdown()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _client(url: str, **kw: Any) -> Any:
@@ -135,7 +147,7 @@ def test_replica_killed_mid_run(cluster: str, engine: Engine) -> None:
     from ray import serve
 
     before = _replicas()
-    n_tok = 400  # long enough to be mid-stream when the kill lands
+    n_tok = 900  # long enough to be mid-stream when the replica is frozen (prompts are < 16 tokens, max_seq 1024)
     with Scheduler(engine, max_batch=1) as one_row:  # the same requests served alone, one after another
         alone = [one_row.generate(PROMPTS[i], n_tok, ignore_eos=True, **_sampling(i)).text for i in range(6)]
     started = threading.Barrier(7, timeout=T)
@@ -170,8 +182,11 @@ def test_replica_killed_mid_run(cluster: str, engine: Engine) -> None:
         plains = [pool.submit(plain, i) for i in range(6)]
         started.wait()  # every stream has its first chunk
         victim = where[0]
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#KvexportReplica#{victim}", namespace="serve"),
-                 no_restart=True)
+        actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#KvexportReplica#{victim}", namespace="serve")
+        # freeze the replica's process at once, then kill it: ray.kill reaches the process through the GCS and
+        # its raylet, and on a loaded machine a stream of the tiny model finished before that landed (CI, stop 19)
+        os.kill(ray._private.state.actors(actor._actor_id.hex())["Pid"], signal.SIGSTOP)
+        ray.kill(actor, no_restart=True)
         killed_at = time.monotonic()
         s_results = [f.result(timeout=T) for f in streams]
         p_results = [f.result(timeout=T) for f in plains]
