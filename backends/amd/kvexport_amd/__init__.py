@@ -78,6 +78,11 @@ class AmdBackend(Backend):
                 None, self.capabilities().default_group_size["int8"]):
             raise InputError(f"amd int8 keeps one scale per output channel; drop --group-size {options.group_size}, "
                              "or use --weights int4 for block scales")
+        weights = options.weights or options.precision
+        if weights in ("fp32", "fp16", "bf16") and options.kv not in (None, weights):
+            # the compiled graph has one float type, so float weights hold their cache in it
+            raise InputError(f"amd --weights {weights} keeps its cache in {weights}, not --kv {options.kv}; drop --kv, "
+                             f"or pass --kv {options.kv} with int8/int4 weights (they dequantize into the --kv type)")
         extra = super().build_options(options)
         if extra["device"] == "gpu":
             dv.select("gpu")  # BackendUnavailableError, saying what to do, where there is none

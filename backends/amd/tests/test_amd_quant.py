@@ -141,3 +141,17 @@ def test_int8_with_a_block_size_is_refused_before_export(tmp_path: Path) -> None
         build(DEFAULT_MODEL_DIR, tmp_path / "x.kvx", target="amd", max_seq=64, verify=False,
               options=BuildOptions(weights="int8", group_size=64))
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("weights", "kv"), [("fp16", "bf16"), ("fp32", "fp16"), ("bf16", "fp32")])
+def test_float_weights_with_a_cache_in_another_float_type_are_refused_before_export(
+        tmp_path: Path, weights: str, kv: str) -> None:
+    """The compiled graph has one float type: --weights fp16 --kv bf16 once built an fp16 cache and recorded
+    bf16 in the manifest."""
+    from kvexport.build import build
+    from kvexport.zoo import DEFAULT_MODEL_DIR
+
+    with pytest.raises(InputError, match=f"keeps its cache in {weights}, not --kv {kv}"):
+        build(DEFAULT_MODEL_DIR, tmp_path / "x.kvx", target="amd", max_seq=64, verify=False,
+              options=BuildOptions(weights=weights, kv=kv))
+    assert not list(tmp_path.iterdir())
