@@ -279,6 +279,7 @@ class IntelBackend(Backend):
         session = self._session(compiled, manifest, facts, ring)
         session.model_path, session.compile_config = str(xml), config
         session.batch_rows = str(options.get("batch_rows") or "paged")
+        session.state_names = [past for past, _ in manifest.kv_pairs()]  # layer by layer, key then value
         session.windows = [manifest.config.window_of(i) for i in range(manifest.config.num_hidden_layers)]
         return session
 

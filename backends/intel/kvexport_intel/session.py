@@ -19,6 +19,14 @@ from kvexport.runtime.session import Session
 MASKED = np.float32(-1e30)
 # Bytes per cached element by cache precision (the storage layout; OpenVINO does not report it).
 KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
+# A fresh batch-1 prompt of at least this many tokens is prefilled through the engine's paged-attention form
+# (kvexport_intel.paged) and its K/V handed to the request's state, where decode continues on the fused
+# attention with state. The fused node's multi-token kernel scores the whole S x S square under the explicit
+# mask (MLAS, 4 query rows a block); the paged kernel attends causally with no mask. Paged prefill time over one
+# stateful call, same process, two rounds (bench-125m f32, AMD EPYC Zen 3 AVX2, 2 threads, load 5-6):
+# 256 tokens 1.21x/1.00x, 512 1.13x/0.92x, 1024 1.01x/1.00x, 2048 0.91x/0.52x, 4096 0.46x/0.52x. So from 1024 on
+# (a tie there). Those figures leave out the copy into the state; docs/performance.md's prompt-4096 run includes it.
+PAGED_PREFILL_MIN = 1024
 
 
 @dataclass
@@ -52,6 +60,8 @@ class IntelSession(Session):
         self.batch_rows = "paged"  # or "state": one InferRequest per row (the load option batch_rows)
         self.windows: list[int | None] = [None] * num_layers  # each layer's sliding window (None: whole past)
         self._paged: tuple[Any, str | None] | None = None  # (compiled paged model or None, why not)
+        self._prefill: tuple[Any, str | None] | None = None  # the same with an f32 cache, for long prompts
+        self.state_names: list[str] = []  # the K/V variables, layer after layer, key then value (open_session)
 
     def describe(self) -> dict[str, Any]:
         return {"cache_policy": "internal", "device": "cpu (OpenVINO)", **self.facts}
@@ -77,20 +87,47 @@ class IntelSession(Session):
         the reason where the transformation does not give one PagedAttention per layer)."""
         with self._lock:
             if self._paged is None:
-                import openvino as ov
-
-                from kvexport_intel.paged import to_paged
-
-                core = ov.Core()
-                model = core.read_model(self.model_path)
-                why, compiled = to_paged(model, self.windows), None
-                if why is None:
-                    try:
-                        compiled = core.compile_model(model, "CPU", self.compile_config)
-                    except RuntimeError as e:  # a graph the plugin compiles statefully but not paged
-                        why = f"OpenVINO could not compile the paged model: {str(e).strip().splitlines()[-1]}"
-                self._paged = (compiled, why)
+                self._paged = self._compile_paged(self.compile_config)
             return self._paged
+
+    def _compile_paged(self, config: dict[str, Any]) -> tuple[Any, str | None]:
+        import openvino as ov
+
+        from kvexport_intel.paged import to_paged
+
+        if self.model_path is None:
+            return None, "this session was not loaded from an artifact"
+        core = ov.Core()
+        model = core.read_model(self.model_path)
+        why, compiled = to_paged(model, self.windows), None
+        if why is None:
+            try:
+                compiled = core.compile_model(model, "CPU", config)
+            except RuntimeError as e:  # a graph the plugin compiles statefully but not paged
+                why = f"OpenVINO could not compile the paged model: {str(e).strip().splitlines()[-1]}"
+        return compiled, why
+
+    def prefill_model(self) -> tuple[Any, str | None]:
+        """The paged-attention form with an f32 block cache, for long prompts (PAGED_PREFILL_MIN): the same
+        compiled model as the batched rows' where this engine's cache is f32, compiled on first use otherwise.
+        Its blocks are read back in f32 and handed to the request's state, which stores them in its own precision."""
+        if self.ring is not None:
+            return None, "sliding-window layers keep rings in the state, which paged attention does not page"
+        if self.compile_config.get("KV_CACHE_PRECISION", "f32") == "f32":
+            compiled, why = self.paged_model()
+        else:
+            with self._lock:
+                if self._prefill is None:
+                    f32 = dict.fromkeys(("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION"), "f32")
+                    self._prefill = self._compile_paged({**self.compile_config, **f32})
+                compiled, why = self._prefill
+        if compiled is not None:
+            import openvino as ov
+
+            dtype = compiled.input("key_cache.0").get_element_type()
+            if dtype != ov.Type.f32:  # the copy into the state reads f32 blocks
+                return None, f"its paged block cache is {dtype}, not f32"
+        return compiled, why
 
     def batched_rows(self, rows: int) -> Any:
         why = self.paged_unavailable()
@@ -167,6 +204,10 @@ class IntelSession(Session):
         if attention_mask.shape != (B, 1, S, total):
             raise InputError(f"attention_mask has shape {attention_mask.shape}; this state holds {state.slots} slots, "
                              f"so a step of {S} tokens needs (B, 1, S, T+S) = {(B, 1, S, total)}")
+        if T == 0 and B == 1 and S >= PAGED_PREFILL_MIN and self.ring is None and self.state_names:
+            logits = self._paged_prefill(state, input_ids, position_ids, attention_mask)
+            if logits is not None:
+                return logits
         # a ring takes at most `window` new rows a step (more would overwrite each other): longer ones in pieces.
         # A long prompt is not cut otherwise: OpenVINO's fused attention with state took more time for a 4096-token
         # prompt in PREFILL_PIECE pieces than in one call (docs/performance.md, prompt 4096 on bench-125m)
@@ -195,3 +236,35 @@ class IntelSession(Session):
         state.steps += 1
         state.slots = T + S
         return state.request.get_output_tensor(0).data[:, -1, :]  # (B, vocab) float32
+
+    def _paged_prefill(self, state: IntelState, input_ids: np.ndarray, position_ids: np.ndarray,
+                       attention_mask: np.ndarray) -> np.ndarray | None:
+        """A fresh request's one-row prompt through the paged-attention form (PAGED_PREFILL_MIN), its K/V blocks
+        copied into the request's state variables; None (nothing done) where the prompt is not a plain causal
+        run from position 0 or this engine has no paged form (the reason goes to facts["long_prefill"])."""
+        S = input_ids.shape[1]
+        if not (np.array_equal(position_ids[0], np.arange(S)) and np.array_equal(attention_mask[0, 0], np.tri(S, dtype=bool))):
+            return None
+        compiled, why = self.prefill_model()
+        self.facts["long_prefill"] = "paged attention, then the state" if why is None else f"one stateful call: {why}"
+        if compiled is None:
+            return None
+        import openvino as ov
+
+        from kvexport_intel.paged import PagedRows
+
+        t0 = time.perf_counter()
+        rows = PagedRows(compiled, rows=1, max_seq=S, num_layers=self.num_layers, vocab_size=self.vocab_size)
+        logits = rows.extend(0, input_ids[0]).copy()[None]  # (1, vocab)
+        blocks = np.asarray(rows.tables[0])
+        variables = {v.name: v for v in state.request.query_state()}
+        for name, cache in zip(self.state_names, rows.caches):  # key_cache.i, value_cache.i: the same order
+            held = cache[blocks]  # (blocks, kv_heads, block, head_dim) -> (1, kv_heads, S, head_dim)
+            kv = np.ascontiguousarray(held.transpose(1, 0, 2, 3).reshape(self.kv_heads, -1, self.head_dim)[None, :, :S])
+            variables[name].state = ov.Tensor(kv)  # the plugin copies it (quantizing a u8 cache its own way)
+        rows.release()
+        state.run_seconds += time.perf_counter() - t0
+        state.steps += 1
+        state.slots = S
+        return logits
+
