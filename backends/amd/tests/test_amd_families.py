@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvexport.artifact import export_artifact, open_artifact
+from kvexport.artifact import open_artifact
 from kvexport.export import decoder_from_ir
 from kvexport.runtime.engine import Engine
-from kvexport.testing import greedy_against_reference
+from kvexport.testing import family_ir, greedy_against_reference
 from kvexport.verify import cache_checks
-from kvexport.zoo import TINY_CONFIGS, write_checkpoint
 from kvexport_amd import lowering
 from kvexport_amd.session import AotiSession
 
@@ -43,12 +42,11 @@ class ExportedRunner:
 
 @pytest.fixture(scope="module")
 def exported_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Engine]]:
-    root = tmp_path_factory.mktemp("amd-families")
-
     class _Lazy(dict):
         def __missing__(self, family: str) -> tuple[Path, Engine]:
-            ckpt = write_checkpoint(TINY_CONFIGS[family], root / f"ckpt-{family}", seed=11)
-            folder, m = open_artifact(export_artifact(ckpt, root / f"{family}.kvx", max_seq=AMD_MAX_SEQ))
+            # the checkpoint and IR test_nvidia_families.py lowers too, exported once per run
+            ckpt, ir = family_ir(tmp_path_factory, family, AMD_MAX_SEQ)
+            folder, m = open_artifact(ir)
             program = lowering.export_program(decoder_from_ir(folder, m), max_batch=AMD_MAX_BATCH,
                                               dtype=torch.float32, device="cpu")
             cfg = m.config

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvexport.artifact import export_artifact, finish, open_artifact
+from kvexport.artifact import finish, open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.manifest import read
-from kvexport.testing import greedy_against_reference
+from kvexport.testing import family_ir, greedy_against_reference
 from kvexport.tolerances import tolerance
-from kvexport.zoo import TINY_CONFIGS, write_checkpoint
+from kvexport.zoo import TINY_CONFIGS
 from kvexport_nvidia.backend import ENGINE_DIR, PREPARED, NvidiaBackend
 
 from nvidia_ort_twin import OrtTwinSession
@@ -26,8 +26,8 @@ from nvidia_ort_twin import OrtTwinSession
 # Smallest margins measured with verify's windows at max_seq 64: qwen3_moe seed 5 5.1e-5 (flips), seed 7
 # (tests/conftest.py's seed) 3.2e-4; mixtral seed 5 1.7e-4 (verifies), seed 7 2.3e-5. The windows move with
 # max_seq: at 80, mixtral seed 5's margin is 1.2e-4 and qwen3_moe seed 7 fails the fp16 row (mean KL 6.9e-5), so
-# the fp16 check keeps max_seq 64.
-SEEDS = {"qwen3_moe": 7}
+# the fp16 check keeps max_seq 64. Those seeds are kvexport.testing.FAMILY_SEEDS: family_ir shares each
+# family's checkpoint and IR at max_seq 80 with backends/amd/tests/test_amd_families.py.
 MIN_ROUTER_MARGIN = 1.5e-4
 MAX_SEQ = 80  # fp32: a 9-token prompt and 64 greedy steps
 FP16_MAX_SEQ = 64
@@ -60,18 +60,15 @@ def router_margin(ckpt: Path, max_seq: int) -> float:
 
 
 class _Exports(dict):
-    """(family, max_seq) -> (checkpoint, fp32 static IR artifact), each exported once for this module, on first use."""
+    """(family, max_seq) -> (checkpoint, fp32 static IR artifact), each made once per run (family_ir), on first use."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, tmp_path_factory: pytest.TempPathFactory):
         super().__init__()
-        self.root = root
+        self.root, self.factory = root, tmp_path_factory
 
     def __missing__(self, key: tuple[str, int]) -> tuple[Path, Path]:
         family, max_seq = key
-        ckpt = self.root / f"ckpt-{family}"
-        if not ckpt.is_dir():
-            write_checkpoint(TINY_CONFIGS[family], ckpt, seed=SEEDS.get(family, 5))
-        self[key] = (ckpt, export_artifact(ckpt, self.root / f"{family}-{max_seq}-ir.kvx", max_seq=max_seq))
+        self[key] = family_ir(self.factory, family, max_seq)
         return self[key]
 
     def engine(self, family: str, weights: str, max_seq: int) -> tuple[Path, object]:
@@ -91,7 +88,7 @@ class _Exports(dict):
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory: pytest.TempPathFactory) -> _Exports:
-    return _Exports(tmp_path_factory.mktemp("nv-families"))
+    return _Exports(tmp_path_factory.mktemp("nv-families"), tmp_path_factory)
 
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
