@@ -15,7 +15,9 @@ the CPU build kvexport pins): kvexport does not depend on them.
 An OpenVINO system written `FOLDER@kv=u8` keeps that KV cache precision (f32, f16 or u8) whatever --ov-kv
 says, so one run can time the same peer with both caches; `FOLDER@batched_tokens=256` cuts its prefill
 into scheduler steps of that many tokens. A kvexport system written `ART@piece=4096` prefills in engine
-calls of that many tokens instead of the runtime's PREFILL_PIECE (before against after, in one run).
+calls of that many tokens instead of the runtime's PREFILL_PIECE (before against after, in one run);
+an intel artifact written `ART@paged_min=100000` prefills every prompt in one stateful call, as before the
+paged prefill (kvexport_intel.session.PAGED_PREFILL_MIN).
 
 `bench` runs the protocol of docs/benchmarks.md: greedy, 64 new tokens, batch 1, 2 threads, every
 system warmed up and then timed back to back in each round; it reports each system's best round
@@ -73,6 +75,10 @@ class KvexportRunner:
         if "piece" in options:
             session.PREFILL_PIECE = int(options["piece"])
         self.engine = kvexport.load(str(path), threads=threads)
+        if "paged_min" in options:  # the intel target's long-prompt threshold, kvexport_intel.session.PAGED_PREFILL_MIN
+            from kvexport_intel import session as intel_session
+
+            intel_session.PAGED_PREFILL_MIN = int(options["paged_min"])
         self.vocab = self.engine.vocab_size
         target = self.engine.manifest.target or {}
         self.info = {"kvexport": kvexport.__version__, "backend": target.get("backend"),
@@ -227,14 +233,15 @@ class Worker:
         self.proc.wait()
 
 
-SPEC_KEYS = {"openvino": ("kv", "batched_tokens"), "kvexport": ("piece",), "ortgenai": ()}
+SPEC_KEYS = {"openvino": ("kv", "batched_tokens"), "kvexport": ("piece", "paged_min"), "ortgenai": ()}
 
 
 def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
     """`FOLDER` or `FOLDER@key=value,...`: the system's folder and its worker options. An OpenVINO peer takes
     kv=f32|f16|u8 (its cache precision; --ov-kv where not given) and batched_tokens=N (its scheduler's
     max_num_batched_tokens; unlimited where not given, as LLMPipeline's own latency default); a kvexport
-    artifact takes piece=N (the prompt tokens one engine call takes, kvexport.runtime.session.PREFILL_PIECE)."""
+    artifact takes piece=N (the prompt tokens one engine call takes, kvexport.runtime.session.PREFILL_PIECE) and,
+    on the intel target, paged_min=N (the shortest prompt prefilled through paged attention, PAGED_PREFILL_MIN)."""
     folder, _, tail = text.partition("@")
     kind = kind_of(Path(folder))
     options = {"ov_kv": ov_kv}

@@ -66,6 +66,7 @@ def to_paged(model: Any, windows: Sequence[int | None]) -> str | None:
             op.input(SLIDING_WINDOW).replace_source_output(opset.constant(np.int32(windows[layer])).output(0))
     if "ReadValue" in ops or "Assign" in ops:
         return "the paged model still keeps state"
+    _last_token_logits(model)
     names = {n for p in model.inputs for n in p.get_names()}
     need = {"input_ids", "position_ids", *SEQUENCE_INPUTS,
             *(f"{k}_cache.{i}" for i in range(num_layers) for k in ("key", "value"))}
@@ -76,6 +77,29 @@ def to_paged(model: Any, windows: Sequence[int | None]) -> str | None:
     if extra:
         return f"the paged model takes inputs PagedRows does not fill: {extra}"
     return None
+
+
+def _last_token_logits(model: Any) -> None:
+    """The traced step slices its last token before the lm_head along the sequence axis, which the paged model
+    holds at length 1 (tokens are rows, (T, 1, hidden)), so the slice keeps every token and the lm_head ran over
+    all T: at a 4096-token prompt of bench-125m (vocab 32000) that is ~100 GMAC more, over a fifth of the prefill's
+    matmul work. Replace it with a Gather of each sequence's last token (subsequence_begins[1:] - 1): the logits are
+    (sequences, 1, vocab), one per row, which is all PagedRows reads (a decode step's rows, a prefill's last)."""
+    import openvino.opset13 as opset
+
+    node = model.outputs[0].get_node()
+    while node.get_type_name() != "Slice":
+        if node.get_input_size() == 0:
+            return  # no last-token slice: leave the model as it is
+        node = node.input_value(0).get_node()
+    if not any(t.get_node().get_type_name() == "MatMul" for t in node.output(0).get_target_inputs()):
+        return  # a slice, but not the one before the lm_head
+    begins = next(p for p in model.get_parameters() if "subsequence_begins" in p.get_output_tensor(0).get_names())
+    ends = opset.subtract(opset.slice(begins, np.array([1], np.int32), np.array([2**31 - 1], np.int32), np.array([1], np.int32)),
+                          opset.constant(np.int32(1)))
+    last = opset.gather(node.input_value(0), ends, opset.constant(np.int32(0)))
+    node.output(0).replace(last.output(0))
+    model.validate_nodes_and_infer_types()
 
 
 class PagedRows(Rows):
