@@ -1,9 +1,11 @@
 """Helpers the test suites of the core and of every backend share (no test framework imported here)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +166,37 @@ def family_ir(tmp_path_factory: Any, family: str, max_seq: int) -> tuple[Path, P
                    lambda p: export_artifact(ckpt, p, max_seq=max_seq))
     return ckpt, ir
 
+
+def hf_init_checkpoint_once(tmp_path_factory: Any, family: str) -> Path:
+    """hf_init_checkpoint of `family`, written once per run into a folder every worker shares (so that the
+    exports of it that exports_made_once shares have one path to key on)."""
+    return made_once(run_folder(tmp_path_factory, "kvx-hf-init") / f"hf-{family}", lambda p: hf_init_checkpoint(family, p))
+
+
+@contextmanager
+def exports_made_once(tmp_path_factory: Any) -> Iterator[None]:
+    """Within it, kvexport.build's export of a checkpoint (export_artifact) runs once per run for each checkpoint
+    folder, max_seq, cache style and ring choice, whichever worker asks first, and every build gets a copy of that
+    IR: the targets that lower the same static IR (cpu, amd, nvidia) then share one export. The rest of build
+    (the backend's check, lowering, build record and verify) runs as it does for a user."""
+    from kvexport import artifact
+
+    real = artifact.export_artifact
+    folder = run_folder(tmp_path_factory, "kvx-exports")
+
+    def shared(model_dir: str | Path, out: str | Path, **kw: Any) -> Path:
+        if set(kw) - {"max_seq", "cache_style", "ring", "progress"}:  # dtype, last_token_only: not shared
+            return real(model_dir, out, **kw)
+        kw.pop("progress", None)
+        where = hashlib.sha256(str(Path(model_dir).resolve()).encode()).hexdigest()[:12]
+        key = f"{Path(model_dir).name}-{where}-{kw.get('max_seq')}-{kw.get('cache_style', 'static')}-" \
+              f"{'ring' if kw.get('ring') else 'full'}.kvx"
+        src = made_once(folder / key, lambda p: real(model_dir, p, **kw))
+        shutil.copytree(src, out, dirs_exist_ok=False)
+        return Path(out)
+
+    artifact.export_artifact = shared  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        artifact.export_artifact = real  # type: ignore[assignment]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvexport.testing import hf_init_checkpoint
+from kvexport.testing import exports_made_once, hf_init_checkpoint_once
 from kvexport.zoo import TINY_CONFIGS
 
 FAMILIES = sorted(TINY_CONFIGS)  # every registered family
@@ -20,18 +20,18 @@ MAX_SEQ = 80  # verify's 33-token prompt + 32 decode steps; amd compiles the cac
 
 
 class _LazyCheckpoints(dict):
-    def __init__(self, root: Path):
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory):
         super().__init__()
-        self.root = root
+        self.factory = tmp_path_factory
 
     def __missing__(self, family: str) -> Path:
-        self[family] = hf_init_checkpoint(family, self.root / f"hf-{family}")
+        self[family] = hf_init_checkpoint_once(self.factory, family)  # the one backends/nvidia's test builds too
         return self[family]
 
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return _LazyCheckpoints(tmp_path_factory.mktemp("hf-init"))  # type: ignore[return-value]
+    return _LazyCheckpoints(tmp_path_factory)  # type: ignore[return-value]
 
 
 def test_hf_init_has_the_equal_tensors_that_the_exporter_merges(hf_checkpoints: dict[str, Path]) -> None:
@@ -56,11 +56,12 @@ def _options(target: str):  # type: ignore[no-untyped-def]
 
 
 class _LazyBuilds(dict):
-    """(family, target) -> artifact, built and verified (fp32) on first use."""
+    """(family, target) -> artifact, built and verified (fp32) on first use. cpu, amd and nvidia lower the same
+    static IR: each family's is exported once per run (exports_made_once) for all three."""
 
-    def __init__(self, root: Path, checkpoints: dict[str, Path]):
+    def __init__(self, root: Path, checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
         super().__init__()
-        self.root, self.checkpoints = root, checkpoints
+        self.root, self.checkpoints, self.factory = root, checkpoints, tmp_path_factory
 
     def __missing__(self, key: tuple[str, str]) -> Path:
         from kvexport.build import build
@@ -69,15 +70,16 @@ class _LazyBuilds(dict):
         options = _options(target)
         t0 = time.perf_counter()
         # verify=True: NumericsMismatchError if the engine differs from transformers beyond the tolerance
-        self[key] = build(self.checkpoints[family], self.root / f"{family}-{target}.kvx", target=target,
-                          max_seq=MAX_SEQ, options=options, verify=True)
+        with exports_made_once(self.factory):
+            self[key] = build(self.checkpoints[family], self.root / f"{family}-{target}.kvx", target=target,
+                              max_seq=MAX_SEQ, options=options, verify=True)
         print(f"{family}/{target}: built and verified in {time.perf_counter() - t0:.1f}s")
         return self[key]
 
 
 @pytest.fixture(scope="session")
 def hf_builds(tmp_path_factory: pytest.TempPathFactory, hf_checkpoints: dict[str, Path]) -> dict[tuple[str, str], Path]:
-    return _LazyBuilds(tmp_path_factory.mktemp("hf-init-builds"), hf_checkpoints)  # type: ignore[return-value]
+    return _LazyBuilds(tmp_path_factory.mktemp("hf-init-builds"), hf_checkpoints, tmp_path_factory)  # type: ignore[return-value]
 
 
 def built_and_verified(hf_builds: dict[tuple[str, str], Path], family: str, target: str) -> None:
