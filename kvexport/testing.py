@@ -173,6 +173,15 @@ def hf_init_checkpoint_once(tmp_path_factory: Any, family: str) -> Path:
     return made_once(run_folder(tmp_path_factory, "kvx-hf-init") / f"hf-{family}", lambda p: hf_init_checkpoint(family, p))
 
 
+def default_checkpoint_once(tmp_path_factory: Any) -> Path:
+    """The trained default model's checkpoint (kvexport.zoo.write_default: weights, tokenizer, held-out text),
+    written once per run into a folder every worker shares, so that its builds for the several targets and modes
+    the tests check share one export (exports_made_once). Read-only."""
+    from kvexport.zoo import write_default
+
+    return made_once(run_folder(tmp_path_factory, "kvx-default-ckpt") / "default", write_default)
+
+
 @contextmanager
 def exports_made_once(tmp_path_factory: Any) -> Iterator[None]:
     """Within it, kvexport.build's export of a checkpoint (export_artifact) runs once per run for each checkpoint

@@ -184,16 +184,18 @@ def test_continuous_batching_rows_hold_int8_and_match_alone(int8_engine: Engine)
 
 
 
-def test_int4_weights_with_an_int8_cache_verify_against_their_row(workdir: Path) -> None:
+def test_int4_weights_with_an_int8_cache_verify_against_their_row(workdir: Path,
+                                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
     """Both lossy modes at once, MatMulNBits weights and the int8 cache, judged where lossy rows are: the
     trained default model's held-out text (random weights' flat logits flip under int4 noise alone)."""
     from kvexport.build import build
+    from kvexport.testing import default_checkpoint_once, exports_made_once
     from kvexport.verify import HELDOUT_FILE, verify_engine
-    from kvexport.zoo import write_default
 
-    trained = write_default(workdir / "default-for-int4-kv-int8")
-    art = build(trained, workdir / "default-int4-kv-int8.kvx", target="cpu", max_seq=256,
-                options=BuildOptions(weights="int4", group_size=32, kv="int8"), verify=False)
+    trained = default_checkpoint_once(tmp_path_factory)
+    with exports_made_once(tmp_path_factory):  # the default model's export at 256 other targets' tests share
+        art = build(trained, workdir / "default-int4-kv-int8.kvx", target="cpu", max_seq=256,
+                    options=BuildOptions(weights="int4", group_size=32, kv="int8"), verify=False)
     engine = kvexport.load(str(art))
     assert engine.session.cache_dtype == np.int8
     r = verify_engine(engine, trained, decode_steps=16, prompt_lengths=(7,))

@@ -13,6 +13,7 @@ import pytest
 
 from kvexport.runtime.engine import Engine, load
 from kvexport.runtime.session import Session
+from kvexport.testing import default_checkpoint_once, exports_made_once
 from kvexport.verify import HELDOUT_FILE, SELF_CHECK, TEXT_POSITIONS, Reference, VerifyReport, verify_engine
 
 MAX_SEQ = 256  # text windows of 256 tokens: 64 prefilled, 192 fed by decode steps
@@ -54,9 +55,9 @@ def _skip_reason(name: str) -> str | None:
 
 
 class _Builds(dict):
-    def __init__(self, root: Path, ckpt: Path):
+    def __init__(self, root: Path, ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
         super().__init__()
-        self.root, self.ckpt = root, ckpt
+        self.root, self.ckpt, self.factory = root, ckpt, tmp_path_factory
 
     def __missing__(self, name: str) -> Path:
         from kvexport.backends import BuildOptions
@@ -66,24 +67,23 @@ class _Builds(dict):
         if reason:
             pytest.skip(reason)
         target, opts = ENGINES[name]
-        self[name] = build(self.ckpt, self.root / f"{name}.kvx", target=target, max_seq=MAX_SEQ,
-                           options=BuildOptions(**opts), verify=False)
+        with exports_made_once(self.factory):  # cpu and amd share one export of the default model at MAX_SEQ
+            self[name] = build(self.ckpt, self.root / f"{name}.kvx", target=target, max_seq=MAX_SEQ,
+                               options=BuildOptions(**opts), verify=False)
         return self[name]
 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's checkpoint folder: trained, with its held-out text (what the rows were set on)."""
-    from kvexport.zoo import write_default
-
-    path = write_default(tmp_path_factory.mktemp("verify") / "default")
+    path = default_checkpoint_once(tmp_path_factory)
     assert (path / HELDOUT_FILE).is_file()
     return path
 
 
 @pytest.fixture(scope="session")
 def builds(tmp_path_factory: pytest.TempPathFactory, trained: Path) -> _Builds:
-    return _Builds(tmp_path_factory.mktemp("verify-builds"), trained)
+    return _Builds(tmp_path_factory.mktemp("verify-builds"), trained, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

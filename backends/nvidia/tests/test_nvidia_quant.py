@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from kvexport.artifact import open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.errors import InputError
+from kvexport.testing import default_checkpoint_once, exports_made_once
 from kvexport_nvidia import quantize as q
 from kvexport_nvidia.backend import ENGINE_DIR, PREPARED
 from kvexport_nvidia.lowering import lower
@@ -104,29 +105,28 @@ def test_bad_modes_are_input_errors() -> None:
 
 
 class _DeferredBuilds(dict):
-    """(weights, group) -> the trained default model's deferred nvidia artifact, built once by kvexport.build."""
+    """(weights, group) -> the trained default model's deferred nvidia artifact, built once by kvexport.build (from
+    the one export of the default model at max_seq 256 the run's other targets and modes share)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, tmp_path_factory: pytest.TempPathFactory):
         super().__init__()
-        self.root = root
-        self.ckpt = root / "default"
+        self.root, self.factory = root, tmp_path_factory
+        self.ckpt = default_checkpoint_once(tmp_path_factory)
 
     def __missing__(self, mode: tuple[str, int | None]) -> Path:
         from kvexport.build import build
-        from kvexport.zoo import write_named
 
-        if not self.ckpt.exists():
-            write_named("default", self.ckpt)
         weights, group = mode
-        self[mode] = build(self.ckpt, self.root / f"{weights}-{group}.kvx", target="nvidia", max_seq=256,
-                           verify=False, options=BuildOptions(weights=weights, group_size=group, max_batch=2,
-                                                              extra={"defer": True}))
+        with exports_made_once(self.factory):
+            self[mode] = build(self.ckpt, self.root / f"{weights}-{group}.kvx", target="nvidia", max_seq=256,
+                               verify=False, options=BuildOptions(weights=weights, group_size=group, max_batch=2,
+                                                                  extra={"defer": True}))
         return self[mode]
 
 
 @pytest.fixture(scope="module")
 def deferred(tmp_path_factory: pytest.TempPathFactory) -> _DeferredBuilds:
-    return _DeferredBuilds(tmp_path_factory.mktemp("nv-quant"))
+    return _DeferredBuilds(tmp_path_factory.mktemp("nv-quant"), tmp_path_factory)
 
 
 def test_lowered_default_model_reads_every_matmul_weight_through_dequantize(deferred) -> None:  # type: ignore[no-untyped-def]
