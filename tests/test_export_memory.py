@@ -54,3 +54,19 @@ def test_ir_weights_live_in_external_data_above_the_threshold(artifacts: dict[st
 
     sess = ort.InferenceSession(str(folder / MODEL_FILE), providers=["CPUExecutionProvider"])
     assert [o.name for o in sess.get_outputs()][0] == "logits"
+
+
+def test_decoder_from_ir_refuses_short_external_data(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    """decoder_from_ir reads each weight straight from the external data file (the IR's weights are held once,
+    not once in the protobuf and again in the decoder): a truncated file is a typed error, not short weights."""
+    import shutil
+
+    from kvexport.errors import ArtifactError
+
+    folder, manifest = open_artifact(artifacts["llama"])
+    copy = tmp_path / "ir"
+    shutil.copytree(folder, copy)
+    with open(copy / DATA_FILE, "r+b") as f:
+        f.truncate((copy / DATA_FILE).stat().st_size - 4)
+    with pytest.raises(ArtifactError, match="damaged"):
+        decoder_from_ir(copy, manifest)
