@@ -310,14 +310,22 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def _external_span(init: onnx.TensorProto, folder: Path) -> tuple[Path, int, int]:
+    """Where an external initializer's bytes lie: (file, offset, length), the length from its dims where the
+    entry leaves it out."""
+    where = {e.key: e.value for e in init.external_data}
+    nbytes = int(np.prod(init.dims, dtype=np.int64)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
+    return folder / where.get("location", ""), int(where.get("offset", 0)), int(where.get("length", nbytes))
+
+
 def _init_bytes(init: onnx.TensorProto, folder: Path | None = None) -> bytes:
     """An initializer's bytes, read from its external-data file (relative to folder) when it has one."""
     if init.data_location == onnx.TensorProto.EXTERNAL:
         assert folder is not None, f"{init.name} is external: pass the folder its data lives in"
-        where = {e.key: e.value for e in init.external_data}
-        with open(Path(folder) / where["location"], "rb") as f:
-            f.seek(int(where.get("offset", 0)))
-            return f.read(int(where["length"]))
+        path, offset, length = _external_span(init, Path(folder))
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
     return init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).tobytes()
 
 
@@ -384,17 +392,16 @@ def _initializer_array(init: onnx.TensorProto, folder: Path) -> np.ndarray:
     protobuf keeps no copy). Raises ArtifactError for a location outside the artifact or a short file."""
     if init.data_location != onnx.TensorProto.EXTERNAL:
         return np.array(numpy_helper.to_array(init))
-    info = {e.key: e.value for e in init.external_data}
-    path = (folder / info.get("location", "")).resolve()
-    if folder.resolve() not in path.parents:
-        raise ArtifactError(f"IR weight {init.name} points outside the artifact ({info.get('location')!r}); "
+    path, offset, length = _external_span(init, folder)
+    if folder.resolve() not in path.resolve().parents:
+        raise ArtifactError(f"IR weight {init.name} points outside the artifact ({path.name!r}); "
                             "rebuild the artifact with `kvexport build`")
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
     count = int(np.prod(init.dims, dtype=np.int64))
     with open(path, "rb") as f:
-        f.seek(int(info.get("offset", 0)))
+        f.seek(offset)
         arr = np.fromfile(f, dtype=dtype, count=count)
-    if arr.size != count or int(info.get("length", arr.nbytes)) != arr.nbytes:
+    if arr.size != count or length != arr.nbytes:
         raise ArtifactError(f"IR weight {init.name}: {path.name} holds {arr.nbytes} of its "
                             f"{count * dtype.itemsize} bytes; the artifact is damaged, rebuild it with `kvexport build`")
     return arr.reshape(tuple(init.dims))
