@@ -59,6 +59,10 @@ def _gqa_model(cache_type: int, B: int, H: int, Hk: int, D: int, C: int) -> onnx
                              opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("com.microsoft", 1)])
 
 
+def _branch(node: onnx.NodeProto, name: str) -> onnx.GraphProto:
+    return next(helper.get_attribute_value(a) for a in node.attribute if a.name == name)
+
+
 def test_onnxruntime_stores_round_x_over_scale_per_channel_and_attends_over_it() -> None:
     """The kernel contract the int8 engine is built on (ONNX Runtime 1.31's CPU GroupQueryAttention)."""
     import onnxruntime as ort
@@ -101,8 +105,10 @@ def test_engine_graph_keeps_every_layer_in_int8_with_calibrated_scales(int8_arti
     model = onnx.load(str(int8_artifact / ENGINE_DIR / OPT_MODEL))
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     cfg = int8_engine.config
-    nodes = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
-    assert len(nodes) == cfg.num_hidden_layers
+    branches = [n for n in model.graph.node if n.op_type == "If"]
+    assert len(branches) == cfg.num_hidden_layers  # several new tokens: fp32 attention; one: the kernel
+    nodes = [n for b in branches for n in _branch(b, "else_branch").node]
+    assert len(nodes) == cfg.num_hidden_layers and {n.op_type for n in nodes} == {"GroupQueryAttention"}
     for n in nodes:
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         assert attrs["kv_cache_bit_width"] == 8 and attrs["k_quant_type"] == attrs["v_quant_type"] == b"PER_CHANNEL"
@@ -211,3 +217,171 @@ def test_inspect_counts_the_scales_once_per_engine_not_per_token(int8_artifact: 
     assert kv["scale_bytes"] > 0
     assert (f"KV cache: int8, {kv['bytes_per_token']} bytes per token per row "
             f"(+ {kv['scale_bytes']} bytes of per-channel scales, once per engine)") in out
+
+
+def _attention_step_model(packed: bool, B: int, H: int, Hk: int, D: int, C: int, scales: np.ndarray) -> onnx.ModelProto:
+    """One quantized GroupQueryAttention as the engine graph holds it (the IR's step inputs, scales as
+    initializers, seqlens_k / total from write_index and the new tokens), for branch_attention."""
+    m = _gqa_model(TensorProto.INT8, B, H, Hk, D, C)
+    g = m.graph
+    n = g.node[0]
+    n.name = "layers.0.attn/GroupQueryAttention_0"
+    keep = {"past_k", "past_v"} | ({"q"} if packed else {"q", "k", "v"})
+    ins = [i for i in g.input if i.name in keep]
+    if packed:
+        ins[0] = helper.make_tensor_value_info("q", TensorProto.FLOAT, [B, None, (H + 2 * Hk) * D])
+        n.input[1], n.input[2] = "", ""
+    del g.input[:]
+    g.input.extend([*ins, helper.make_tensor_value_info("input_ids", TensorProto.INT64, [B, None]),
+                    helper.make_tensor_value_info("write_index", TensorProto.INT64, [B])])
+    g.initializer.extend([numpy_helper.from_array(scales[0], "k_scale"), numpy_helper.from_array(scales[1], "v_scale"),
+                          numpy_helper.from_array(np.array(1, np.int32), "one")])
+    g.node.insert(0, helper.make_node("Shape", ["input_ids"], ["seq64"], start=1, end=2))
+    g.node.insert(1, helper.make_node("Cast", ["seq64"], ["seq"], to=TensorProto.INT32))
+    g.node.insert(2, helper.make_node("Cast", ["write_index"], ["wi"], to=TensorProto.INT32))
+    g.node.insert(3, helper.make_node("Add", ["wi", "seq"], ["held"]))
+    g.node.insert(4, helper.make_node("Sub", ["held", "one"], ["seqlens_k"]))
+    g.node.insert(5, helper.make_node("ReduceMax", ["held"], ["total"], keepdims=0))
+    return m
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate-qkv", "packed-qkv"])
+def test_the_many_token_branch_stores_the_kernels_bytes_and_attends_over_them(packed: bool) -> None:
+    """branch_attention's fp32 form of a quantized GroupQueryAttention against the kernel itself, in
+    place on one int8 cache: a fresh prompt, a piece over that past, then one token (the kernel's own
+    branch). The stored bytes are the kernel's exactly, ties included (the kernel multiplies by 1 / scale,
+    which rounds a tie differently from x / scale), and the attention differs by float order only."""
+    import onnxruntime as ort
+
+    from kvexport.backends.cpu_kv import branch_attention
+
+    B, H, Hk, D, C = 1, 4, 2, 64, 2048
+    rng = np.random.default_rng(5)
+    scales = rng.uniform(0.01, 0.05, (2, 1, Hk, 1, D)).astype(np.float32)
+    kernel_model = _attention_step_model(packed, B, H, Hk, D, C, scales)
+    sessions = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+                for m in (kernel_model, branch_attention(kernel_model))]
+    assert any(n.op_type == "If" for n in branch_attention(kernel_model).graph.node)
+    caches = [[np.zeros((B, Hk, C, D), np.int8) for _ in range(2)] for _ in sessions]
+    T, ties = 0, 0
+    for S in (1024, 512, 1):
+        q = rng.standard_normal((B, S, H * D)).astype(np.float32)
+        # half the rows sit at (k + 1/2) * scale: ties, where x / scale and x * (1 / scale) round apart
+        kv = [np.concatenate([rng.standard_normal((B, S // 2 + S % 2, Hk, D)) * 3 * sc.reshape(1, 1, Hk, D) / 0.03,
+                              (rng.integers(-100, 100, (B, S // 2, Hk, D)) + 0.5) * sc.reshape(1, 1, Hk, D)], axis=1)
+              .astype(np.float32).reshape(B, S, Hk * D) for sc in scales]
+        x = kv[0].reshape(B, S, Hk, D).transpose(0, 2, 1, 3)
+        ties += int((np.round(x / scales[0]) != np.round(x * (np.float32(1) / scales[0]))).sum())
+        feeds = {"input_ids": np.zeros((B, S), np.int64), "write_index": np.full(B, T, np.int64)}
+        feeds.update({"q": np.concatenate([q, *kv], axis=-1)} if packed else {"q": q, "k": kv[0], "v": kv[1]})
+        outs = []
+        for sess, (ck, cv) in zip(sessions, caches):
+            b = sess.io_binding()
+            for name, arr in feeds.items():
+                b.bind_cpu_input(name, arr)
+            for inp, out, buf in (("past_k", "present_k", ck), ("past_v", "present_v", cv)):
+                b.bind_input(inp, "cpu", 0, np.int8, buf.shape, buf.ctypes.data)
+                b.bind_output(out, "cpu", 0, np.int8, buf.shape, buf.ctypes.data)
+            b.bind_output("out")
+            sess.run_with_iobinding(b)
+            outs.append(b.get_outputs()[0].numpy())
+        T += S
+        for a, b_ in zip(*caches):
+            np.testing.assert_array_equal(a[:, :, :T], b_[:, :, :T])
+        assert np.abs(caches[0][0][:, :, T - S:T]).max() > 100  # the rows were written into the bound buffers
+        np.testing.assert_allclose(outs[0], outs[1], atol=2e-5)
+    assert ties > 0  # the data holds ties that only the kernel's own rounding stores alike
+
+
+def test_a_prompt_through_the_many_token_branch_matches_the_kernel_token_by_token(int8_engine: Engine) -> None:
+    """A prompt in one engine call (the fp32 form) against the same prompt fed one token a step (the
+    quantized kernel): the same cache bytes up to a rare one-step flip where float order moves a value
+    across a rounding edge (none in the first layer, whose K/V no attention precedes), logits within the
+    float-order noise, and the same greedy tokens after."""
+    s = int8_engine.session
+    prompt = random_ids(60, seed=6)
+    N = len(prompt)
+    whole, stepped = s.new_state(1, N + 8), s.new_state(1, N + 8)
+    i = np.arange(N)
+    mask = (i[None, :] <= i[:, None])[None, None]
+    a = s.step(whole, np.array([prompt]), i[None], mask).copy()
+    assert whole.steps == 1
+    for t in range(N):
+        b = s.step(stepped, np.array([[prompt[t]]]), np.array([[t]]), mask[:, :, t:t + 1, :t + 1]).copy()
+    assert np.abs(a - b).max() < 1e-3, np.abs(a - b).max()
+    diffs = [np.abs(x[:, :, :N].astype(np.int16) - y[:, :, :N]) for x, y in zip(whole.caches, stepped.caches)]
+    assert diffs[0].max() == 0 and diffs[1].max() == 0
+    assert max(d.max() for d in diffs) <= 1 and sum(int((d > 0).sum()) for d in diffs) <= 1e-3 * sum(d.size for d in diffs)
+    toks = [[], []]
+    for state, got in zip((whole, stepped), toks):
+        logits = a if state is whole else b
+        for t in range(N, N + 8):
+            got.append(int(logits.argmax()))
+            logits = s.step(state, np.array([[got[-1]]]), np.array([[t]]), np.ones((1, 1, 1, t + 1), bool))
+    assert toks[0] == toks[1]
+
+
+def test_the_many_token_branch_writes_the_bound_cache_in_place(int8_artifact: Path) -> None:
+    """ONNX Runtime's TensorScatter warns when its output is not its input's buffer and it must copy the
+    cache (checked here on a bare TensorScatter); a prefill and a decode step through the engine's If
+    branches give no such warning, keep the state's buffers and count no copied bytes."""
+    script = f"""
+import numpy as np, onnxruntime as ort, kvexport, kvexport.backends.cpu as cpu
+from onnx import TensorProto, helper
+plain = cpu.session_options
+def loud(threads, optimized_path=None):
+    so = plain(threads, optimized_path)
+    so.log_severity_level = 1
+    return so
+cpu.session_options = loud
+n = helper.make_node("TensorScatter", ["c", "u", "w"], ["o"], axis=-2, mode="linear")
+t = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.INT8, shape)
+g = helper.make_graph([n], "g", [t("c", [1, 1, 8, 8]), t("u", [1, 1, 2, 8]),
+                      helper.make_tensor_value_info("w", TensorProto.INT64, [1])], [t("o", [1, 1, 8, 8])])
+m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 24)], ir_version=10)
+sess = ort.InferenceSession(m.SerializeToString(), loud(1), providers=["CPUExecutionProvider"])
+c, other = np.zeros((1, 1, 8, 8), np.int8), np.zeros((1, 1, 8, 8), np.int8)
+b = sess.io_binding()
+b.bind_cpu_input("c", c); b.bind_cpu_input("u", np.ones((1, 1, 2, 8), np.int8)); b.bind_cpu_input("w", np.array([3]))
+b.bind_output("o", "cpu", 0, np.int8, c.shape, other.ctypes.data)
+print("== copying TensorScatter", flush=True)
+sess.run_with_iobinding(b)
+print("== engine", flush=True)
+s = kvexport.load({str(int8_artifact)!r}).session
+state = s.new_state(1, 48)
+ptrs = [c.ctypes.data for c in state.caches]
+i = np.arange(40)
+s.step(state, (i[None] + 3) % 200, i[None], (i[None, :] <= i[:, None])[None, None])
+s.step(state, np.array([[7]]), np.array([[40]]), np.ones((1, 1, 1, 41), bool))
+assert [c.ctypes.data for c in state.caches] == ptrs and s.cache_bytes_copied(state) == 0
+assert all(np.abs(c[:, :, :41]).max() > 0 for c in state.caches)
+print("== done", flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = r.stdout + r.stderr
+    warning = "in-place optimization not activated"
+    assert "== done" in r.stdout
+    # stderr and stdout interleave unordered: the bare TensorScatter warns, so the warning is visible here
+    assert log.count(warning) == 1, [line for line in log.splitlines() if warning in line]
+
+
+def test_an_edited_engine_graph_is_refused_at_load(int8_artifact: Path, tmp_path: Path) -> None:
+    """The If branches live in the engine graph the manifest hashes: changing one is refused before loading."""
+    import shutil
+
+    from kvexport.errors import ArtifactError
+
+    copy = tmp_path / "edited.kvx"
+    shutil.copytree(int8_artifact, copy)
+    path = copy / ENGINE_DIR / OPT_MODEL
+    model = onnx.load(str(path), load_external_data=False)
+    branch = next(n for n in model.graph.node if n.op_type == "If")
+    for a in branch.attribute:  # swap the branches: one token would take the fp32 form and many the kernel
+        a.name = {"then_branch": "else_branch", "else_branch": "then_branch"}[a.name]
+    onnx.save_model(model, str(path))
+    with pytest.raises(ArtifactError, match="does not match the sha256"):
+        kvexport.load(str(copy))
+    path.unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        kvexport.load(str(copy))

@@ -174,6 +174,10 @@ class CpuBackend(_Backend):
             assert group_size is not None
             quant = quantize_engine(engine / OPT_MODEL, OPT_DATA, precision, group_size, read_cpu_flags(), progress,
                                     head_mode=self.build_options(options)["lm_head"])
+        if kv is not None:
+            from kvexport.backends.cpu_kv import branch_engine
+
+            kv["prefill"] = branch_engine(engine / OPT_MODEL)
         manifest.raw["target"] = {
             "backend": "cpu",
             "precision": precision,

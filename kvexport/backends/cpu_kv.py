@@ -1,7 +1,11 @@
 """The cpu engine's int8 KV cache: per-channel K and V scales calibrated on a sample text, and the
 fused GroupQueryAttention nodes switched to ONNX Runtime's quantized cache (kv_cache_bit_width 8).
 
-The kernel stores round(x / scale) clipped to int8 and reads q * scale back, with one scale per
+ONNX Runtime 1.31's quantized kernel is fast on one new token and slow on many (docs/backends/cpu.md
+measures it), so each quantized node sits under an If: a step of several tokens runs the same
+computation as ops that are fast on many rows (branch_attention), one token runs the kernel.
+
+The kernel stores round(x * (1 / scale)) clipped to int8 and reads q * scale back, with one scale per
 (kv head, channel) of each layer, shape (1, H_kv, 1, D): calibration puts scale = absmax / 127 over
 what the fp32 engine writes into its cache while prefilling the sample. The scales are initializers
 of the engine graph, so the manifest hashes them with every other engine file.
@@ -30,6 +34,11 @@ CALIBRATION_TMP = "model.calibrate.tmp.onnx"  # beside the IR, so its external-d
 # GroupQueryAttention's inputs by position (com.microsoft, ONNX Runtime 1.31): k_scale and v_scale
 # follow attention_bias (10) and head_sink (11)
 K_SCALE_INPUT, V_SCALE_INPUT = 12, 13
+QUANT_ATTRS = ("kv_cache_bit_width", "k_quant_type", "v_quant_type")
+PREFIX = "kvx_prefill"  # names of the nodes and constants branch_attention adds
+HELD = f"{PREFIX}/held"  # (1,) the most slots a row held before this step
+PREFILL_RECORD = ("a step of several new tokens: the new rows quantized into the cache as the kernel stores them, fp32 "
+                  "attention over the dequantized rows; one token: the quantized kernel")
 
 
 def calibration_ids(text: str | None, encode: Callable[[str], list[int]] | None, vocab_size: int,
@@ -146,3 +155,117 @@ def build_int8_cache(model: onnx.ModelProto, folder: Path, manifest: Manifest, t
     return {"dtype": "int8", "bytes_per_token": elements, "fp32_bytes_per_token": elements * 4,
             "scale_bytes": elements * 4, "scales": "per channel (1, H_kv, 1, D) per layer, absmax / 127",
             "calibration": {"source": source, "tokens": len(ids), "window": window}}
+
+
+def _quantized_attention(g: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """g's GroupQueryAttention nodes over the int8 cache; adds the constants their fp32 forms share."""
+    nodes = [n for n in g.node if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"
+             and any(a.name == "kv_cache_bit_width" for a in n.attribute)]
+    if not nodes:
+        raise InputError("this cpu engine graph has no GroupQueryAttention over an int8 cache to branch: "
+                         "build it with --kv int8")
+    g.initializer.extend([helper.make_tensor(f"{PREFIX}/zero", TensorProto.INT64, [1], [0]),
+                          helper.make_tensor(f"{PREFIX}/axis", TensorProto.INT64, [1], [2]),
+                          helper.make_tensor(f"{PREFIX}/lo", TensorProto.FLOAT, [], [-QMAX - 1]),
+                          helper.make_tensor(f"{PREFIX}/hi", TensorProto.FLOAT, [], [QMAX])])
+    return nodes
+
+
+def _fp32_attention(n: onnx.NodeProto, g: onnx.GraphProto, outputs: list[str]) -> list[onnx.NodeProto]:
+    """What the quantized GroupQueryAttention `n` computes, in ops fast on many rows; its three results
+    named `outputs` (attention, present key, present value). Adds its constants to g's initializers.
+
+    The new K/V rows are stored as the kernel stores them (checked against ONNX Runtime 1.31:
+    round(x * (1 / scale)), half to even, clipped to [-128, 127]) by TensorScatter at write_index, in
+    place where the cache is bound as input and output; the attention is ONNX Runtime's fp32 kernel over
+    the past rows and the new ones, both read back as q * scale, the values the quantized kernel attends
+    over. Only the float sums' order differs from the kernel."""
+    dims = {t.name: list(t.dims) for t in g.initializer}
+    scope = n.name.rsplit("/", 1)[0] + "/kv_prefill"
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    _, kv_heads, _, head_dim = dims[n.input[K_SCALE_INPUT]]  # (1, H_kv, 1, D)
+    width = kv_heads * head_dim
+    g.initializer.extend([helper.make_tensor(f"{scope}/heads", TensorProto.INT64, [4], [0, 0, kv_heads, head_dim]),
+                          helper.make_tensor(f"{scope}/merged", TensorProto.INT64, [3], [0, 0, width])])
+    made: list[onnx.NodeProto] = []
+    q, k, v = n.input[:3]
+    if not k:  # packed (B, S, (H + 2 H_kv) D): the kernel splits it, so does the form
+        q, k, v = (f"{scope}/{x}_in" for x in "qkv")
+        g.initializer.append(helper.make_tensor(f"{scope}/sizes", TensorProto.INT64, [3],
+                                                [int(attrs["num_heads"]) * head_dim, width, width]))
+        made.append(helper.make_node("Split", [n.input[0], f"{scope}/sizes"], [q, k, v], axis=2))
+    for x_in, past, present, scale, x in ((k, n.input[3], outputs[1], n.input[K_SCALE_INPUT], f"{scope}/key"),
+                                          (v, n.input[4], outputs[2], n.input[V_SCALE_INPUT], f"{scope}/value")):
+        made += [  # the new rows (B, S, H_kv D) -> (B, H_kv, S, D) -> int8, stored as the kernel stores them
+            helper.make_node("Reshape", [x_in, f"{scope}/heads"], [f"{x}/bshd"]),
+            helper.make_node("Transpose", [f"{x}/bshd"], [f"{x}/bhsd"], perm=[0, 2, 1, 3]),
+            # the kernel multiplies by 1 / scale (fp32), which rounds differently from x / scale at ties
+            helper.make_node("Reciprocal", [scale], [f"{x}/inverse"]),
+            helper.make_node("Mul", [f"{x}/bhsd", f"{x}/inverse"], [f"{x}/scaled"]),
+            helper.make_node("Round", [f"{x}/scaled"], [f"{x}/rounded"]),
+            helper.make_node("Clip", [f"{x}/rounded", f"{PREFIX}/lo", f"{PREFIX}/hi"], [f"{x}/clipped"]),
+            helper.make_node("Cast", [f"{x}/clipped"], [f"{x}/q"], to=TensorProto.INT8),
+            helper.make_node("TensorScatter", [past, f"{x}/q", "write_index"], [present], axis=-2, mode="linear"),
+            # ... and read back as the kernel reads them: q * scale, in its (B, S, H_kv D) layout
+            helper.make_node("Mul", [f"{x}/clipped", scale], [f"{x}/deq"]),
+            helper.make_node("Transpose", [f"{x}/deq"], [f"{x}/deq_bshd"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", [f"{x}/deq_bshd", f"{scope}/merged"], [f"{x}/new"]),
+            # the past rows 0 .. T-1 (B, H_kv, T, D), none in a fresh prompt
+            helper.make_node("Slice", [past, f"{PREFIX}/zero", HELD, f"{PREFIX}/axis"], [f"{x}/past8"]),
+            helper.make_node("Cast", [f"{x}/past8"], [f"{x}/past_i"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", [f"{x}/past_i", scale], [f"{x}/past"])]
+    inputs = [q, f"{scope}/key/new", f"{scope}/value/new", f"{scope}/key/past", f"{scope}/value/past",
+              *n.input[5:V_SCALE_INPUT - 1]]
+    while inputs[-1] == "":
+        inputs.pop()
+    gqa = helper.make_node("GroupQueryAttention", inputs, [outputs[0], f"{scope}/key/unused", f"{scope}/value/unused"],
+                           name=f"{scope}/GroupQueryAttention_fp32", domain="com.microsoft")
+    gqa.attribute.extend(a for a in n.attribute if a.name not in QUANT_ATTRS)
+    return [*made, gqa]
+
+
+def _rebuilt(g: onnx.GraphProto, replace: dict[int, list[onnx.NodeProto]], first: list[onnx.NodeProto]) -> None:
+    made = list(first)
+    for n in g.node:
+        made.extend(replace.get(id(n), [n]))
+    del g.node[:]
+    g.node.extend(made)
+
+
+def branch_attention(engine: onnx.ModelProto) -> onnx.ModelProto:
+    """The int8-cache engine graph with each quantized GroupQueryAttention under an If on "more than one
+    new token": then _fp32_attention, else the node itself. One graph, so the weights are loaded and
+    prepacked once, and the caches stay bound in place (TensorScatter and the kernel write the If's
+    outputs, which are the bound cache buffers). Returns a new model."""
+    model = onnx.ModelProto()
+    model.CopyFrom(engine)
+    g = model.graph
+    nodes = _quantized_attention(g)
+    g.initializer.append(helper.make_tensor(f"{PREFIX}/one", TensorProto.INT64, [1], [1]))
+    first = [helper.make_node("ReduceMax", ["write_index"], [HELD], keepdims=1),
+             helper.make_node("Shape", ["input_ids"], [f"{PREFIX}/seq"], start=1, end=2),
+             helper.make_node("Greater", [f"{PREFIX}/seq", f"{PREFIX}/one"], [f"{PREFIX}/many"])]
+    types = [TensorProto.FLOAT, TensorProto.INT8, TensorProto.INT8]  # attention, present key, present value
+    replace = {}
+    for n in nodes:
+        scope = n.name.rsplit("/", 1)[0] + "/kv_branch"
+        many, one = ([f"{scope}/{form}/{o}" for o in n.output] for form in ("many", "one"))
+        kernel = onnx.NodeProto()
+        kernel.CopyFrom(n)
+        del kernel.output[:]
+        kernel.output.extend(one)
+        branches = [helper.make_graph(body, f"{scope}/{form}", [],
+                                      [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, types)])
+                    for body, outs, form in ((_fp32_attention(n, g, many), many, "many"), ([kernel], one, "one"))]
+        replace[id(n)] = [helper.make_node("If", [f"{PREFIX}/many"], list(n.output), name=f"{scope}/If",
+                                           then_branch=branches[0], else_branch=branches[1])]
+    _rebuilt(g, replace, first)
+    return model
+
+
+def branch_engine(model_path: Path) -> str:
+    """Put every quantized GroupQueryAttention of the saved engine graph under its If (branch_attention),
+    in place: the graph keeps reading its external data file. Returns what the manifest records."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    onnx.save_model(branch_attention(model), str(model_path))
+    return PREFILL_RECORD
