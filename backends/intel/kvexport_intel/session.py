@@ -28,6 +28,11 @@ KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
 # (a tie there). Those figures leave out the copy into the state (docs/performance.md's prompt-4096 runs include
 # it) and were taken before the paged form computed logits for the last token only (kvexport_intel.paged), which
 # takes lm_head work off the paged side alone.
+# With an f32 cache such a request also decodes paged (its blocks stay where the prefill wrote them): at a 4096-token
+# context the paged decode step took 0.81x the stateful one's time (per-step median of 40 interleaved steps,
+# bench-125m, same machine, load ~7), and handing the blocks over cost ~0.7 s plus a first stateful step of ~1.1 s
+# (the plugin growing a state sized to the prompt). A lossy cache still hands over: its paged blocks would be
+# quantized by paged attention's own scheme, not the state's the build verified.
 PAGED_PREFILL_MIN = 1024
 
 
@@ -41,6 +46,7 @@ class IntelState:
     beam_idx: np.ndarray | None = None  # (B,) int32 identity: rows are never reordered
     run_seconds: float = 0.0
     steps: int = 0
+    rows: Any = None  # a long prompt's PagedRows while its request decodes paged (f32 cache); None: the state holds it
 
 
 class IntelSession(Session):
@@ -160,6 +166,9 @@ class IntelSession(Session):
     def release(self, state: IntelState) -> None:
         if state.request is None:
             return
+        if state.rows is not None:
+            state.rows.release()
+            state.rows = None
         state.request.reset_state()  # frees the state buffers' contents before reuse
         with self._lock:
             self._pool.append(state.request)
@@ -172,6 +181,9 @@ class IntelSession(Session):
         capacity. (Reading it copies the state: call it outside timed loops.)"""
         if state.request is None:
             return 0
+        if state.rows is not None:  # f32 blocks: the bytes of the slots held, as the state would report them
+            per_token = sum(c.nbytes for c in state.rows.caches) // (state.rows.num_blocks * state.rows.block)
+            return per_token * state.slots
         return sum(int(v.state.byte_size) for v in state.request.query_state())
 
     def cache_bytes(self, state: IntelState) -> int | None:
@@ -206,6 +218,10 @@ class IntelSession(Session):
         if attention_mask.shape != (B, 1, S, total):
             raise InputError(f"attention_mask has shape {attention_mask.shape}; this state holds {state.slots} slots, "
                              f"so a step of {S} tokens needs (B, 1, S, T+S) = {(B, 1, S, total)}")
+        if state.rows is not None:
+            if _causal_run(position_ids, attention_mask, T):
+                return self._paged_step(state, input_ids)
+            self._hand_over(state)  # a step paged attention cannot take (a hidden slot): the state takes over
         if T == 0 and B == 1 and S >= PAGED_PREFILL_MIN and self.ring is None and self.state_names:
             logits = self._paged_prefill(state, input_ids, position_ids, attention_mask)
             if logits is not None:
@@ -241,32 +257,66 @@ class IntelSession(Session):
 
     def _paged_prefill(self, state: IntelState, input_ids: np.ndarray, position_ids: np.ndarray,
                        attention_mask: np.ndarray) -> np.ndarray | None:
-        """A fresh request's one-row prompt through the paged-attention form (PAGED_PREFILL_MIN), its K/V blocks
-        copied into the request's state variables; None (nothing done) where the prompt is not a plain causal
-        run from position 0 or this engine has no paged form (the reason goes to facts["long_prefill"])."""
+        """A fresh request's one-row prompt through the paged-attention form (PAGED_PREFILL_MIN). With an f32 cache
+        the request keeps its blocks and decodes paged (state.rows); otherwise they are copied into the request's
+        state variables. None (nothing done) where the prompt is not a plain causal run from position 0 or this
+        engine has no paged form (the reason goes to facts["long_prefill"])."""
         S = input_ids.shape[1]
-        if not (np.array_equal(position_ids[0], np.arange(S)) and np.array_equal(attention_mask[0, 0], np.tri(S, dtype=bool))):
+        if not _causal_run(position_ids, attention_mask, 0):
             return None
         compiled, why = self.prefill_model()
-        self.facts["long_prefill"] = "paged attention, then the state" if why is None else f"one stateful call: {why}"
+        keep = self.compile_config.get("KV_CACHE_PRECISION", "f32") == "f32"
+        self.facts["long_prefill"] = (f"one stateful call: {why}" if why is not None else
+                                      "paged attention, decode paged" if keep else "paged attention, then the state")
         if compiled is None:
             return None
-        import openvino as ov
-
         from kvexport_intel.paged import PagedRows
 
         t0 = time.perf_counter()
-        rows = PagedRows(compiled, rows=1, max_seq=S, num_layers=self.num_layers, vocab_size=self.vocab_size)
-        logits = rows.extend(0, input_ids[0]).copy()[None]  # (1, vocab)
+        # blocks for the engine's whole limit: calloc'd, so only the blocks a row writes become resident
+        state.rows = PagedRows(compiled, rows=1, max_seq=self.limit if keep else S, num_layers=self.num_layers,
+                               vocab_size=self.vocab_size)
+        logits = state.rows.extend(0, input_ids[0]).copy()[None]  # (1, vocab)
+        state.run_seconds += time.perf_counter() - t0
+        state.steps += 1
+        state.slots = S
+        if not keep:
+            self._hand_over(state)
+        return logits
+
+    def _paged_step(self, state: IntelState, input_ids: np.ndarray) -> np.ndarray:
+        """The next tokens of a request that decodes paged: appended to its blocks; (1, vocab) logits."""
+        t0 = time.perf_counter()
+        logits = state.rows.extend(0, input_ids[0])[None]  # a view of the request's output: as _step's
+        state.run_seconds += time.perf_counter() - t0
+        state.steps += 1
+        state.slots += input_ids.shape[1]
+        return logits
+
+    def _hand_over(self, state: IntelState) -> None:
+        """Copy a paged request's f32 blocks into its state variables (the plugin stores them in the cache precision
+        it was loaded with, quantizing a u8 cache its own way) and free the blocks: the state holds the request now."""
+        import openvino as ov
+
+        t0 = time.perf_counter()
+        rows, S = state.rows, state.slots
         blocks = np.asarray(rows.tables[0])
         variables = {v.name: v for v in state.request.query_state()}
         for name, cache in zip(self.state_names, rows.caches):  # key_cache.i, value_cache.i: the same order
             held = cache[blocks]  # (blocks, kv_heads, block, head_dim) -> (1, kv_heads, S, head_dim)
             kv = np.ascontiguousarray(held.transpose(1, 0, 2, 3).reshape(self.kv_heads, -1, self.head_dim)[None, :, :S])
-            variables[name].state = ov.Tensor(kv)  # the plugin copies it (quantizing a u8 cache its own way)
+            variables[name].state = ov.Tensor(kv)  # the plugin copies it
         rows.release()
+        state.rows = None
         state.run_seconds += time.perf_counter() - t0
-        state.steps += 1
-        state.slots = S
-        return logits
+
+
+def _causal_run(position_ids: np.ndarray, attention_mask: np.ndarray, past: int) -> bool:
+    """Whether a batch-1 step is what paged attention computes: positions past, past + 1, ... and each new token
+    seeing every held slot and the new tokens up to itself."""
+    S = position_ids.shape[1]
+    if not np.array_equal(position_ids[0], np.arange(past, past + S)):
+        return False
+    mask = attention_mask[0, 0]
+    return bool(mask[:, :past].all()) and np.array_equal(mask[:, past:], np.tri(S, dtype=bool))
 

@@ -1,6 +1,8 @@
-"""A long batch-1 prompt on the intel target is prefilled through the engine's paged-attention form and its K/V
-handed to the request's state (kvexport_intel.session.PAGED_PREFILL_MIN): the logits and greedy tokens are the
-one stateful call's, with f32, f16 and u8 caches, and the handed-over cache continues as the prompt would."""
+"""A long batch-1 prompt on the intel target is prefilled through the engine's paged-attention form
+(kvexport_intel.session.PAGED_PREFILL_MIN); with an f32 cache the request keeps decoding paged, with f16/u8 its K/V
+is handed to the request's state. The logits and greedy tokens are the stateful path's with f32, f16 and u8 caches,
+the cache continues as the prompt would (decode steps and later chunks), and a step paged attention cannot take
+hands the blocks over to the state with the same logits."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -40,7 +42,9 @@ def both_paths(engine: kvexport.runtime.engine.Engine, ids: list[int]) -> tuple[
         intel_session.PAGED_PREFILL_MIN = saved
     assert "long_prefill" not in engine.session.facts
     new = greedy_logits(engine, ids, STEPS)
-    assert engine.session.facts["long_prefill"] == "paged attention, then the state"
+    f32 = engine.session.compile_config["KV_CACHE_PRECISION"] == "f32"
+    assert engine.session.facts["long_prefill"] == ("paged attention, decode paged" if f32
+                                                    else "paged attention, then the state")
     return old, new
 
 
@@ -65,10 +69,12 @@ def test_paged_prefill_cache_continues(intel_artifacts: dict, threshold: None) -
     engine = kvexport.load(str(art), precision="fp32")
     ids = prompt_ids(PROMPT + 1, seed=6)
     b = engine.prefill(ids[:-1], 2)
-    assert b.state.steps == 1 and b.state.slots == PROMPT
+    assert b.state.steps == 1 and b.state.slots == PROMPT and b.state.rows is not None  # the f32 cache stays paged
+    assert engine.session.state_bytes(b.state) == stateful_bytes(engine, ids[:-1])
     stepped = engine.decode(b, np.array([ids[-1]]))[0]
-    assert b.state.slots == PROMPT + 1
+    assert b.state.slots == PROMPT + 1 and b.state.rows is not None
     engine.session.release(b.state)
+    assert b.state.rows is None
     whole = engine.prefill(ids, 1)
     gap = float(np.abs(whole.logits[0] - stepped).max())
     assert gap <= tolerance("intel", "fp32").max_abs_logit, gap
@@ -84,3 +90,62 @@ def test_batches_and_short_prompts_keep_the_stateful_call(intel_artifacts: dict,
     b = engine.prefill(prompt_ids(THRESHOLD - 1, 3), 1)
     engine.session.release(b.state)
     assert "long_prefill" not in engine.session.facts
+
+
+def stateful_bytes(engine: kvexport.runtime.engine.Engine, ids: list[int]) -> int:
+    """state_bytes of `ids` prefilled in one stateful call."""
+    saved, intel_session.PAGED_PREFILL_MIN = intel_session.PAGED_PREFILL_MIN, len(ids) + 1
+    try:
+        b = engine.prefill(ids, 1)
+    finally:
+        intel_session.PAGED_PREFILL_MIN = saved
+    n = engine.session.state_bytes(b.state)
+    engine.session.release(b.state)
+    return n
+
+
+def test_paged_request_takes_a_later_chunk(intel_artifacts: dict, threshold: None) -> None:
+    """A chunk of several tokens after a paged prefill goes to the same blocks: its last logits are the whole
+    prompt's."""
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art), precision="fp32")
+    ids = prompt_ids(PROMPT + 5, seed=7)
+    b = engine.prefill(ids[:PROMPT], 1)
+    i = np.arange(PROMPT, PROMPT + 5)
+    mask = np.arange(PROMPT + 5)[None, :] <= i[:, None]  # (5, PROMPT + 5): all of the past, causal among the five
+    chunk = engine.session.step(b.state, np.array([ids[PROMPT:]]), i[None], mask[None, None])[0].copy()
+    assert b.state.rows is not None and b.state.slots == PROMPT + 5
+    engine.session.release(b.state)
+    whole = engine.prefill(ids, 1)
+    gap = float(np.abs(whole.logits[0] - chunk).max())
+    assert gap <= tolerance("intel", "fp32").max_abs_logit, gap
+
+
+def test_a_step_paged_attention_cannot_take_hands_over(intel_artifacts: dict, threshold: None) -> None:
+    """A decode step that hides a held slot is not paged attention's: the blocks go to the state first, and the
+    logits are those of the same step after one stateful prefill."""
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art), precision="fp32")
+    ids = prompt_ids(PROMPT + 1, seed=8)
+    mask = np.ones((1, 1, 1, PROMPT + 1), bool)
+    mask[..., 3] = False  # the fourth prompt token hidden from the new one
+
+    def hidden_step(long: bool) -> np.ndarray:
+        saved = intel_session.PAGED_PREFILL_MIN
+        intel_session.PAGED_PREFILL_MIN = THRESHOLD if long else PROMPT + 1
+        try:
+            b = engine.prefill(ids[:PROMPT], 2)
+        finally:
+            intel_session.PAGED_PREFILL_MIN = saved
+        assert (b.state.rows is not None) == long
+        out = engine.session.step(b.state, np.array([[ids[PROMPT]]]), np.array([[PROMPT]]), mask)[0].copy()
+        assert b.state.rows is None and b.state.slots == PROMPT + 1
+        engine.session.release(b.state)
+        return out
+
+    stateful, handed = hidden_step(False), hidden_step(True)
+    gap = float(np.abs(stateful - handed).max())
+    assert gap <= tolerance("intel", "fp32").max_abs_logit, gap
+    seen = engine.prefill(ids, 1).logits[0]  # the same token seeing slot 3: the mask did change the logits
+    assert float(np.abs(seen - handed).max()) > 10 * max(gap, 1e-6)
+    assert int(stateful.argmax()) == int(handed.argmax())
