@@ -149,3 +149,36 @@ def test_a_step_paged_attention_cannot_take_hands_over(intel_artifacts: dict, th
     seen = engine.prefill(ids, 1).logits[0]  # the same token seeing slot 3: the mask did change the logits
     assert float(np.abs(seen - handed).max()) > 10 * max(gap, 1e-6)
     assert int(stateful.argmax()) == int(handed.argmax())
+
+
+def test_paged_form_splits_the_packed_projections(intel_artifacts: dict) -> None:
+    """The paged form runs the IR's packed q|k|v and gate|up projections as one MatMul per piece (no VariadicSplit
+    copy of every token's projection), with the packed form's logits."""
+    import openvino as ov
+
+    from kvexport_intel.paged import PagedRows, to_paged
+
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art), precision="fp32")
+    layers = engine.session.num_layers
+    core = ov.Core()
+
+    def split_matmuls(model: ov.Model) -> int:
+        return sum(op.get_type_name() == "VariadicSplit" and op.input_value(0).get_node().get_type_name() == "MatMul"
+                   for op in model.get_ordered_ops())
+
+    def matmuls(model: ov.Model) -> int:
+        return sum(op.get_type_name() == "MatMul" for op in model.get_ordered_ops())
+
+    logits, counts = [], []
+    for split in (False, True):
+        model = core.read_model(engine.session.model_path)
+        assert to_paged(model, engine.session.windows, split_packed=split) is None
+        assert split_matmuls(model) == (0 if split else 2 * layers)
+        counts.append(matmuls(model))
+        rows = PagedRows(core.compile_model(model, "CPU", engine.session.compile_config), rows=1, max_seq=PROMPT,
+                         num_layers=layers, vocab_size=engine.vocab_size)
+        logits.append(rows.extend(0, np.array(prompt_ids(PROMPT, seed=9))).copy())
+    assert counts[1] == counts[0] + 3 * layers  # q|k|v into three, gate|up into two; no packed MatMul left running
+    gap = float(np.abs(logits[0] - logits[1]).max())
+    assert gap <= tolerance("intel", "fp32").max_abs_logit, gap
