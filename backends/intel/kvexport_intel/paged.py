@@ -117,7 +117,8 @@ def split_packed_matmuls(model: Any) -> int:
             continue
         start = 0
         for out, n in zip(split.outputs(), sizes):
-            piece = opset.matmul(mm.input_value(0), opset.constant(np.ascontiguousarray(w[start:start + n])), False, True)
+            rows = opset.constant(np.ascontiguousarray(w[start:start + n]))
+            piece = opset.matmul(mm.input_value(0), rows, False, True)
             piece.set_friendly_name(f"{mm.get_friendly_name()}/{start}")
             out.replace(piece.output(0))
             start += n

@@ -301,9 +301,12 @@ class IntelSession(Session):
         t0 = time.perf_counter()
         rows, S = state.rows, state.slots
         blocks = np.asarray(rows.tables[0])
+        # a fresh request's blocks come off the free list in order: a view of them, not a gathered copy
+        in_order = np.array_equal(np.diff(blocks), np.ones(len(blocks) - 1))
+        run = slice(blocks[0], blocks[0] + len(blocks)) if in_order else blocks
         variables = {v.name: v for v in state.request.query_state()}
         for name, cache in zip(self.state_names, rows.caches):  # key_cache.i, value_cache.i: the same order
-            held = cache[blocks]  # (blocks, kv_heads, block, head_dim) -> (1, kv_heads, S, head_dim)
+            held = cache[run]  # (blocks, kv_heads, block, head_dim) -> (1, kv_heads, S, head_dim)
             kv = np.ascontiguousarray(held.transpose(1, 0, 2, 3).reshape(self.kv_heads, -1, self.head_dim)[None, :, :S])
             variables[name].state = ov.Tensor(kv)  # the plugin copies it
         rows.release()
