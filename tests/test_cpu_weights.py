@@ -15,7 +15,7 @@ import kvexport
 from kvexport.artifact import export_artifact, finish, open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.backends.cpu import ENGINE_DIR, OPT_MODEL, CpuBackend, CpuSession
-from kvexport.backends.cpu_quant import INT8_DOT_FLAGS, accuracy_level
+from kvexport.backends.cpu_quant import INT8_DOT_FLAGS, accuracy_level, default_group_sizes
 from kvexport.doctor import read_cpu_flags
 from kvexport.precision import record, resolve
 from kvexport.runtime.engine import Engine
@@ -89,6 +89,11 @@ def test_each_weight_mode_builds_and_verifies_against_its_row(mode: str, builds:
     bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.graph.node
             if n.op_type == "MatMulNBits"}
     head = [b for name, b in bits.items() if name.startswith("lm_head")]
+    attrs = [{a.name: a.i for a in n.attribute} for n in graph.graph.node if n.op_type == "MatMulNBits"]
+    flags = read_cpu_flags()  # int8's block and every mode's accuracy level follow this CPU's ISA
+    group = default_group_sizes(flags)["int8"] if mode == "int8" else int(mode.split("-g")[1].split("+")[0])
+    assert t["weights"]["group_size"] == group and {a["block_size"] for a in attrs} == {group}
+    assert {a["accuracy_level"] for a in attrs} == {accuracy_level(flags)[0]}
     if mode.endswith("+head-int4"):
         assert head == [4] and set(bits.values()) == {4}
     else:  # lm_head 8-bit under int4 by default
@@ -152,6 +157,15 @@ def test_accuracy_level_follows_the_isa() -> None:
         assert accuracy_level({"avx2", flag})[0] == 4 and flag in accuracy_level({"avx2", flag})[1]
     level, why = accuracy_level({"avx2", "fma"})  # int8 compute measured faster on AVX2 alone too
     assert level == 4 and "AVX2 without VNNI" in why
+
+
+def test_int8_blocks_follow_the_isa() -> None:
+    """int8 takes blocks of 128 where the CPU has no int8 dot products (measured faster than 32 on AVX2
+    alone), 32 where it has them (kept: not measured there); int4 stays at 32 on both."""
+    assert default_group_sizes({"avx2", "fma"}) == {"int8": 128, "int4": 32}
+    for flag in INT8_DOT_FLAGS:
+        assert default_group_sizes({"avx2", flag}) == {"int8": 32, "int4": 32}
+    assert CpuBackend().capabilities().default_group_size == default_group_sizes(read_cpu_flags())
 
 
 def test_another_onnxruntime_refuses_a_quantized_engine_instead_of_running_the_fp32_ir(

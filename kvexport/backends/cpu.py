@@ -13,6 +13,7 @@ from kvexport.backends import AutoMode, BuildOptions, Capabilities, Option, Prog
 from kvexport.backends import Backend as _Backend
 from kvexport.backends.cpu_quant import BITS as CPU_BITS
 from kvexport.backends.cpu_quant import DEFAULT_GROUP_SIZE as CPU_DEFAULT_GROUP_SIZE
+from kvexport.backends.cpu_quant import default_group_sizes
 from kvexport.backends.cpu_quant import LM_HEAD_MODES
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import ArtifactError, InputError
@@ -77,7 +78,7 @@ class CpuBackend(_Backend):
             cache_policy="grow",
             precisions=("fp32", *CPU_BITS),  # int8/int4: MatMulNBits (kvexport.backends.cpu_quant)
             default_precision="fp32",
-            default_group_size=dict(CPU_DEFAULT_GROUP_SIZE),
+            default_group_size=default_group_sizes(read_cpu_flags()),  # int8: 128 without int8 dot products
             kv_modes=("fp32", "int8"),
             ring_cache=True,  # ring layers stay unfused Attention-24 + TensorScatter circular (GroupQueryAttention has no ring)
             devices=("cpu",),
@@ -137,7 +138,7 @@ class CpuBackend(_Backend):
         if precision not in self.capabilities().precisions:
             raise InputError(f"the cpu target builds weights {', '.join(self.capabilities().precisions)}, "
                              f"not {precision!r}")
-        group_size = options.group_size or CPU_DEFAULT_GROUP_SIZE.get(precision)
+        group_size = options.group_size or self.capabilities().default_group_size.get(precision)
         kv_mode = options.kv or "fp32"
         if kv_mode not in self.capabilities().kv_modes:
             raise InputError(f"the cpu target keeps its KV cache in {' or '.join(self.capabilities().kv_modes)}, "

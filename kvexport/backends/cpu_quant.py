@@ -13,8 +13,12 @@ if TYPE_CHECKING:
     import onnx
 
 BITS = {"int8": 8, "int4": 4}  # the weight modes this module makes
-# int4: 32, as onnxruntime-genai's model builder; int8: 32 too (docs/backends/cpu.md has the measurement)
+# int4: 32, as onnxruntime-genai's model builder. int8: see default_group_sizes
 DEFAULT_GROUP_SIZE = {"int4": 32, "int8": 32}
+# int8 without int8 dot products in hardware: MLAS's 8-bit kernel pays per block (a scale and a block sum
+# read, a float multiply-add) what VNNI would hide; blocks of 128 ran the bench-1b step's matrices faster
+# than 32 on an AVX2-only AMD EPYC (Zen 3) (docs/backends/cpu.md)
+INT8_GROUP_WITHOUT_INT8_DOT = 128
 LM_HEAD_BITS_UNDER_INT4 = 8  # the logits' projection is the most sensitive matmul; 8 bits as genai's builder
 LM_HEAD_MODES = {"int8": 8, "int4": 4}  # --option lm_head= under --weights int4
 # int8 dot products in hardware: MatMulNBits then quantizes activations per block and multiplies in int8
@@ -29,6 +33,15 @@ def accuracy_level(flags: set[str]) -> tuple[int, str]:
     # without VNNI too: on an AVX2-only AMD EPYC (Zen 3) level 4 ran one int4 matmul 2-5x faster than
     # level 0, and int8 at level 0 15x slower than fp32 (docs/backends/cpu.md)
     return 4, "accuracy_level 4 (int8 compute): measured faster than 0 (fp32 compute) on AVX2 without VNNI"
+
+
+def default_group_sizes(flags: set[str]) -> dict[str, int]:
+    """The block size along K each weight mode takes when --group-size is not given, for a CPU with these
+    ISA flags: int4 32; int8 128 where the CPU lacks int8 dot products (measured), else 32 (not measured on
+    such a CPU: kept as it was)."""
+    if any(f in flags for f in INT8_DOT_FLAGS):
+        return dict(DEFAULT_GROUP_SIZE)
+    return {**DEFAULT_GROUP_SIZE, "int8": INT8_GROUP_WITHOUT_INT8_DOT}
 
 
 def lm_head(model: onnx.ModelProto, output: str = "logits", op_type: str = "MatMul") -> onnx.NodeProto | None:
