@@ -24,8 +24,8 @@ KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
 # on the fused attention with state (an f32 cache stays paged: below). The fused node's multi-token kernel scores
 # the whole S x S square under the explicit mask (MLAS, 4 query rows a block); the paged kernel attends causally
 # with no mask. Paged prefill time over one stateful call, same process, two rounds (bench-125m f32, AMD EPYC
-# Zen 3 AVX2, 2 threads, load 5-6): 256 tokens 1.21x/1.00x, 512 1.13x/0.92x, 1024 1.01x/1.00x, 2048 0.91x/0.52x, 4096 0.46x/0.52x. So from 1024 on
-# (a tie there). Those figures leave out the copy into the state (docs/performance.md's prompt-4096 runs include
+# Zen 3 AVX2, 2 threads, load 5-6): 256 tokens 1.21x/1.00x, 512 1.13x/0.92x, 1024 1.01x/1.00x, 2048 0.91x/0.52x,
+# 4096 0.46x/0.52x. So from 1024 on (a tie there). Those figures leave out the copy into the state (docs/performance.md's prompt-4096 runs include
 # it) and were taken before the paged form computed logits for the last token only (kvexport_intel.paged), which
 # takes lm_head work off the paged side alone.
 # With an f32 cache such a request also decodes paged (its blocks stay where the prefill wrote them): at a 4096-token
