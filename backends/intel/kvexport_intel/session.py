@@ -20,21 +20,21 @@ MASKED = np.float32(-1e30)
 # Bytes per cached element by cache precision (the storage layout; OpenVINO does not report it).
 KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
 # A fresh batch-1 prompt of at least this many tokens is prefilled through the engine's paged-attention form
-# (kvexport_intel.paged); with a lossy cache its K/V is then handed to the request's state, where decode continues
-# on the fused attention with state (an f32 cache stays paged: below). The fused node's multi-token kernel scores
-# the whole S x S square under the explicit mask (MLAS, 4 query rows a block); the paged kernel attends causally
-# with no mask. Paged prefill time over one stateful call, same process, two rounds (bench-125m f32, AMD EPYC
-# Zen 3 AVX2, 2 threads, load 5-6): 256 tokens 1.21x/1.00x, 512 1.13x/0.92x, 1024 1.01x/1.00x, 2048 0.91x/0.52x,
-# 4096 0.46x/0.52x. So from 1024 on (a tie there). Those figures leave out the copy into the state (docs/performance.md's prompt-4096 runs include
-# it) and were taken before the paged form computed logits for the last token only (kvexport_intel.paged), which
-# takes lm_head work off the paged side alone.
+# (kvexport_intel.paged); with a lossy cache its K/V is then handed to the request's state, where decode continues on
+# the fused attention with state (an f32 cache stays paged: below). The fused node's multi-token kernel scores the
+# whole S x S square under the explicit mask (MLAS, 4 query rows a block); the paged kernel attends causally with no
+# mask. Paged prefill time over one stateful call, same process, two rounds (bench-125m f32, AMD EPYC Zen 3 AVX2, 2
+# threads, load 5-6): 256 tokens 1.21x/1.00x, 512 1.13x/0.92x, 1024 1.01x/1.00x, 2048 0.91x/0.52x, 4096 0.46x/0.52x.
+# So from 1024 on (a tie there). Those figures leave out the copy into the state (docs/performance.md's prompt-4096
+# runs include it) and were taken before the paged form computed logits for the last token only
+# (kvexport_intel.paged), which takes lm_head work off the paged side alone.
 # With an f32 cache such a request also decodes paged (its blocks stay where the prefill wrote them): at a 4096-token
 # context the paged decode step took 0.81x the stateful one's time (per-step median of 40 interleaved steps,
-# bench-125m, same machine, load ~7; with u8 caches 0.92x at load ~1.9), and handing the blocks over cost ~0.7 s
-# plus a first stateful step of ~1.1 s at load ~7 (0.23-0.29 s and 0.12-0.14 s at load ~1.9; the plugin grows a
-# state sized to the prompt).
-# A lossy cache still hands over: its paged blocks would be quantized by paged attention's own scheme, not the
-# state's the build verified.
+# bench-125m, same machine, load ~7; with u8 caches 0.92x at load ~1.9), and handing the blocks over cost ~0.7 s plus
+# a first stateful step of ~1.1 s at load ~7 (0.23-0.29 s and 0.12-0.14 s at load ~1.9; the plugin grows a state sized
+# to the prompt).
+# A lossy cache still hands over: its paged blocks would be quantized by paged attention's own scheme, not the state's
+# the build verified.
 PAGED_PREFILL_MIN = 1024
 
 
