@@ -413,10 +413,14 @@ def cmd_inspect(a: argparse.Namespace) -> int:
               f"{held} bytes ({held / 2**20:.2f} MiB) per row at max_seq{swapped} beside {full} bytes "
               f"({full / 2**20:.2f} MiB) were every layer full length"
               + (f"; positions up to {ring.max_positions} (past max_seq)" if ring.every_layer else ""))
-    print("  inputs:")
+    from kvexport.precision import canonical
+
+    # the lists below are the IR's contract; an engine may keep its cache in another type (an int8 cache)
+    held = f"; the engine keeps the cache buffers as {kv_mode}" if kv_mode != canonical(cache["dtype"]) else ""
+    print(f"  inputs (the IR's{held}):")
     for io in m.inputs:
         print(f"    {io['name']:32s} {io['dtype']:8s} {io['shape']}")
-    print("  outputs:")
+    print("  outputs (the IR's):")
     for io in m.outputs:
         print(f"    {io['name']:32s} {io['dtype']:8s} {io['shape']}")
     if target:

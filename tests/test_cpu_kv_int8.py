@@ -218,6 +218,8 @@ def test_inspect_counts_the_scales_once_per_engine_not_per_token(int8_artifact: 
     assert kv["scale_bytes"] > 0
     assert (f"KV cache: int8, {kv['bytes_per_token']} bytes per token per row "
             f"(+ {kv['scale_bytes']} bytes of per-channel scales, once per engine)") in out
+    # the input list is the IR's float32 contract: inspect says the engine's buffers are int8
+    assert "inputs (the IR's; the engine keeps the cache buffers as int8):" in out
 
 
 def _attention_step_model(packed: bool, B: int, H: int, Hk: int, D: int, C: int, scales: np.ndarray) -> onnx.ModelProto:
