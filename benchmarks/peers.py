@@ -259,7 +259,7 @@ def bench(a: argparse.Namespace) -> None:
     paths = [Path(label) for label, _, _ in specs]
     prompts = [int(x) for x in a.prompt_lens.split(",")]
     print(f"cpu: {_cpu_name()}; {a.threads} threads, {a.new_tokens} new tokens, greedy, batch 1, "
-          f"{a.rounds} interleaved rounds", flush=True)
+          f"{a.rounds} interleaved rounds (every other one in reverse order)", flush=True)
     workers = []
     for label, p, options in specs:  # loaded one after another; each warms itself up before it says ready
         w = Worker(p, a.threads, options, label)
@@ -270,7 +270,9 @@ def bench(a: argparse.Namespace) -> None:
         for p in prompts:
             runs: dict[str, list[dict]] = {w.label: [] for w in workers}
             for r in range(a.rounds):
-                for w in workers:
+                # every other round runs the systems in reverse order, so that on a host whose load drifts
+                # the later (or earlier) slots of a round do not always fall to the same systems
+                for w in workers if r % 2 == 0 else workers[::-1]:
                     runs[w.label].append(w.run(p, a.new_tokens))
                 print(f"prompt {p} round {r + 1}: " + ", ".join(
                     f"{Path(k).name} {v[-1]['decode_tok_s']:.1f} tok/s ttft {v[-1]['ttft_s']:.2f} s" for k, v in runs.items()),
