@@ -411,7 +411,7 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
             bw = max(bw, probe.measure())
             for label, f in floors.items():
                 floor_rates[label] = max(floor_rates[label], f.measure())
-            for key, e in timed:
+            for key, e in timed if r % 2 == 0 else timed[::-1]:  # every other round reversed: drift hits all alike
                 runs[key].append(bench_engine(e, p, new_tokens))
                 if key == "engine":
                     engine_rss = max(engine_rss, rss_mb())
