@@ -135,13 +135,14 @@ class CpuBackend(_Backend):
 
         self.require_available()
         precision = options.weights or options.precision or "fp32"
-        if precision not in self.capabilities().precisions:
-            raise InputError(f"the cpu target builds weights {', '.join(self.capabilities().precisions)}, "
+        caps = self.capabilities()  # reads the CPU's flags (the int8 default block size depends on them)
+        if precision not in caps.precisions:
+            raise InputError(f"the cpu target builds weights {', '.join(caps.precisions)}, "
                              f"not {precision!r}")
-        group_size = options.group_size or self.capabilities().default_group_size.get(precision)
+        group_size = options.group_size or caps.default_group_size.get(precision)
         kv_mode = options.kv or "fp32"
-        if kv_mode not in self.capabilities().kv_modes:
-            raise InputError(f"the cpu target keeps its KV cache in {' or '.join(self.capabilities().kv_modes)}, "
+        if kv_mode not in caps.kv_modes:
+            raise InputError(f"the cpu target keeps its KV cache in {' or '.join(caps.kv_modes)}, "
                              f"not {kv_mode!r}")
         if kv_mode == "int8" and manifest.cache.get("ring"):
             raise InputError("the cpu target's int8 cache is GroupQueryAttention's, which has no ring, and this IR keeps "
