@@ -428,6 +428,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         w = target.get("weights")
         if w:
             block = f", group size {w['group_size']}" if w.get("group_size") else ""
+            other = {b: n for b, n in (w.get("blocks") or {}).items() if int(b) != w.get("group_size")}
+            block += "".join(f", {n} matrices at block {b} (fitted to their rows)" for b, n in other.items())
             print(f"  weights: {w['dtype']}{block}, {w['bytes']} bytes ({w['bytes'] / 2**20:.1f} MiB, scales included)")
         if target.get("auto"):
             print(f"  auto picked: {target['auto']['reason']}")

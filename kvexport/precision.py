@@ -96,6 +96,7 @@ def resolve(backend: Backend, options: BuildOptions, flags: set[str],
     if built in BLOCK_MODES and group is None:
         group = caps.default_group_size[built]
     options.weights = options.precision = weights
+    options.fit_blocks = options.group_size is None and group is not None
     options.group_size, options.kv = group, kv
     return Resolved(weights, group, kv, pick)
 

@@ -82,6 +82,9 @@ class BuildOptions:
     # weights: fp32|fp16|bf16|int8|int4 (None: the backend's default; core resolves "auto" before build)
     weights: str | None = None
     group_size: int | None = None  # block size of int8/int4 weights (32|64|128); None: the backend's default
+    # set by core: the group size is the default, not asked for, so a backend may fit each matrix's block to
+    # its rows (narrower where the default does not divide them) rather than pad it
+    fit_blocks: bool = False
     kv: str | None = None  # KV cache: fp32|fp16|bf16|int8 (None: fp32)
     # a sample of the model's own text, for what the build calibrates (int8 KV scales); build() passes
     # the checkpoint's held-out text when it ships one; None: the backend's built-in sample

@@ -175,7 +175,7 @@ class CpuBackend(_Backend):
 
             assert group_size is not None
             quant = quantize_engine(engine / OPT_MODEL, OPT_DATA, precision, group_size, read_cpu_flags(), progress,
-                                    head_mode=self.build_options(options)["lm_head"])
+                                    head_mode=self.build_options(options)["lm_head"], fit=options.fit_blocks)
         if kv is not None:
             from kvexport.backends.cpu_kv import branch_engine
 

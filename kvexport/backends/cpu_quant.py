@@ -44,6 +44,17 @@ def default_group_sizes(flags: set[str]) -> dict[str, int]:
     return {**DEFAULT_GROUP_SIZE, "int8": INT8_GROUP_WITHOUT_INT8_DOT}
 
 
+def fitted_block(k: int, group: int) -> int:
+    """The block along K for a matrix of K rows under the default group size: the group where it divides K, else the
+    widest power of two from group/2 down to 16 (MatMulNBits' least) that does, so no block is padded (a padded
+    block is read every token, and a tied table whose rows are no whole number of blocks stays fp32), else the
+    group (padded). A --group-size the user gives is taken as given."""
+    block = group
+    while k % block and block > 16:
+        block //= 2
+    return block if k % block == 0 else group
+
+
 def lm_head(model: onnx.ModelProto, output: str = "logits", op_type: str = "MatMul") -> onnx.NodeProto | None:
     """The `op_type` node that makes `output` (the first one met walking back from it), or None."""
     producer = {o: n for n in model.graph.node for o in n.output}
@@ -112,24 +123,32 @@ def share_with_head(model: onnx.ModelProto, gather: onnx.NodeProto, head: onnx.N
     return f"GatherBlockQuantized over the lm_head's {bits}-bit blocks (tied)"
 
 
-def _quantize(model: onnx.ModelProto, bits: int, group_size: int, level: int, *, include: list[str] | None = None,
+def _quantize(model: onnx.ModelProto, bits: int, group_size: int, level: int, *,
               exclude: list[str] | None = None) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     config = DefaultWeightOnlyQuantConfig(block_size=group_size, is_symmetric=True, accuracy_level=level, bits=bits,
                                           op_types_to_quantize=("MatMul",))
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=group_size, is_symmetric=True, accuracy_level=level,
-                             nodes_to_include=include, nodes_to_exclude=exclude, algo_config=config)
+                             nodes_to_exclude=exclude, algo_config=config)
     q.process()
     return q.model.model
 
 
+def _weight_rows(model: onnx.ModelProto) -> dict[str, int]:
+    """K (the weight's rows) of every MatMul by a constant 2-D weight, by node name: what the quantizer takes."""
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    return {n.name: dims[n.input[1]][0] for n in model.graph.node
+            if n.op_type == "MatMul" and len(dims.get(n.input[1], ())) == 2}
+
+
 def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: int, flags: set[str],
-                    progress: Callable[[str], None], head_mode: str | None = None) -> dict[str, Any]:
+                    progress: Callable[[str], None], head_mode: str | None = None, fit: bool = False) -> dict[str, Any]:
     """Rewrite the optimized graph at model_path (external data in data_name beside it) with every MatMul on a
     constant weight as MatMulNBits: `weights` bits (int4: the lm_head at 8, or at `head_mode`), RTN,
-    symmetric, blocks of group_size along K. Tied embeddings then read the lm_head's blocks through
-    GatherBlockQuantized. Returns the record for the manifest's target.weights."""
+    symmetric, blocks of group_size along K (with `fit`, the default group size: fitted_block per matrix).
+    Tied embeddings then read the lm_head's blocks through GatherBlockQuantized. Returns the record for the
+    manifest's target.weights."""
     import onnx
 
     level, why = accuracy_level(flags)
@@ -143,10 +162,11 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
     try:
         bits = BITS[weights]
         head_bits = LM_HEAD_MODES[head_mode or "int8"] if bits == 4 else bits
-        keep_apart = [head] if head is not None and head_bits != bits else None
-        model = _quantize(model, bits, group_size, level, exclude=keep_apart)
-        if keep_apart:
-            model = _quantize(model, head_bits, group_size, level, include=keep_apart)
+        # (bits, block) per matrix; one quantizer pass per distinct pair, every other matrix left out of it
+        plan = {name: (head_bits if name == head else bits, fitted_block(k, group_size) if fit else group_size)
+                for name, k in _weight_rows(model).items()}
+        for key in sorted(set(plan.values()), reverse=True):
+            model = _quantize(model, key[0], key[1], level, exclude=[n for n, v in plan.items() if v != key])
     finally:
         quiet.setLevel(before)
     embeddings = ("fp32 Gather (untied: it reads one row a token, no speed to gain)" if tied is None else
@@ -155,17 +175,23 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
     table = next((t for t in model.graph.initializer if tied is not None and t.name == tied.input[0]), None)
     shape = {a.name: a.i for a in quantized_head.attribute} if quantized_head is not None else {}
     if table is not None and [shape.get("N"), shape.get("K")] == list(table.dims):  # the head, quantized
-        if shape["K"] % group_size:
-            embeddings = "fp32 Gather (tied, but the hidden size is no multiple of the group: padded blocks)"
+        if shape["K"] % shape["block_size"]:
+            embeddings = "fp32 Gather (tied, but the hidden size is no multiple of the block: padded blocks)"
         else:
             embeddings = share_with_head(model, tied, quantized_head)
     matmuls = sum(n.op_type == "MatMul" for n in model.graph.node)
     nbits = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
+    blocks: dict[str, int] = {}  # matrices per block size, as the graph has them
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            size = str(next(a.i for a in node.attribute if a.name == "block_size"))
+            blocks[size] = blocks.get(size, 0) + 1
     (model_path.parent / data_name).unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save_model(model, str(model_path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data_name, size_threshold=1024)
-    progress(f"cpu: {nbits} matmuls to MatMulNBits {weights} (group {group_size}, lm_head {head_bits}-bit, "
+    fitted = "".join(f", {n} at block {b}" for b, n in blocks.items() if int(b) != group_size)
+    progress(f"cpu: {nbits} matmuls to MatMulNBits {weights} (group {group_size}{fitted}, lm_head {head_bits}-bit, "
              f"{why}) in {time.perf_counter() - t0:.1f}s")
     return {"method": "rtn", "symmetric": True, "accuracy_level": level, "accuracy_level_reason": why,
             "lm_head_bits": head_bits if head is not None else None, "matmulnbits_nodes": nbits,
-            "float_matmuls_left": matmuls, "embeddings": embeddings}
+            "float_matmuls_left": matmuls, "embeddings": embeddings, "blocks": blocks}
