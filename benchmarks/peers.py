@@ -17,7 +17,7 @@ says, so one run can time the same peer with both caches; `FOLDER@batched_tokens
 into scheduler steps of that many tokens. A kvexport system written `ART@piece=4096` prefills in engine
 calls of that many tokens instead of the runtime's PREFILL_PIECE (before against after, in one run);
 an intel artifact written `ART@paged_min=100000` prefills every prompt in one stateful call, as before the
-paged prefill (kvexport_intel.session.PAGED_PREFILL_MIN).
+paged prefill (the intel load option paged_prefill_min).
 
 `bench` runs the protocol of docs/benchmarks.md: greedy, 64 new tokens, batch 1, 2 threads, every
 system warmed up and then timed back to back in each round; it reports each system's best round
@@ -74,11 +74,9 @@ class KvexportRunner:
 
         if "piece" in options:
             session.PREFILL_PIECE = int(options["piece"])
-        self.engine = kvexport.load(str(path), threads=threads)
-        if "paged_min" in options:  # the intel target's long-prompt threshold, kvexport_intel.session.PAGED_PREFILL_MIN
-            from kvexport_intel import session as intel_session
-
-            intel_session.PAGED_PREFILL_MIN = int(options["paged_min"])
+        # paged_min: the intel target's long-prompt threshold, its load option paged_prefill_min
+        load = {"paged_prefill_min": int(options["paged_min"])} if "paged_min" in options else {}
+        self.engine = kvexport.load(str(path), threads=threads, **load)
         self.vocab = self.engine.vocab_size
         target = self.engine.manifest.target or {}
         self.info = {"kvexport": kvexport.__version__, "backend": target.get("backend"),
@@ -241,7 +239,8 @@ def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
     kv=f32|f16|u8 (its cache precision; --ov-kv where not given) and batched_tokens=N (its scheduler's
     max_num_batched_tokens; unlimited where not given, as LLMPipeline's own latency default); a kvexport
     artifact takes piece=N (the prompt tokens one engine call takes, kvexport.runtime.session.PREFILL_PIECE) and,
-    on the intel target, paged_min=N (the shortest prompt prefilled through paged attention, PAGED_PREFILL_MIN)."""
+    on the intel target, paged_min=N (the shortest prompt prefilled through paged attention: the load option
+    paged_prefill_min)."""
     folder, _, tail = text.partition("@")
     kind = kind_of(Path(folder))
     options = {"ov_kv": ov_kv}

@@ -149,22 +149,27 @@ def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: i
                            progress=progress)
     (folder / VERIFY_FILE).write_text(report.to_json())
     manifest = engine.manifest
-    s, t = report.summary, report.text
+    s, t, lt = report.summary, report.text, report.long_text
+    text_keys = ("source", "positions", "top1_agreement", "mean_kl", "max_kl", "ppl_change")
     manifest.raw["verification"] = {
         "file": VERIFY_FILE, "passed": report.passed, "reference": report.reference, "mode": report.mode,
         **{k: s[k] for k in ("max_abs_logit", "greedy_agreement", "mean_kl")},
-        "text": {k: t[k] for k in ("source", "positions", "top1_agreement", "mean_kl", "max_kl", "ppl_change")},
+        "text": {k: t[k] for k in text_keys},
+        **({"long_prompt_text": {"path": lt["path"], **{k: lt[k] for k in text_keys}}} if lt else {}),
     }
     finish(folder, manifest)
     if progress:
         progress(f"verify ({report.mode}): greedy max |dlogit| {s['max_abs_logit']:.2e}, agreement "
                  f"{s['greedy_agreement']:.3f}; {t['source']} top-1 {t['top1_agreement']:.4f}, mean KL "
-                 f"{t['mean_kl']:.2e}, max KL {t['max_kl']:.2e}, ppl {t['ppl_change']:+.2%} "
-                 f"-> {'passed' if report.passed else 'FAILED'}")
+                 f"{t['mean_kl']:.2e}, max KL {t['max_kl']:.2e}, ppl {t['ppl_change']:+.2%}"
+                 + (f"; long-prompt path ({lt['path']}) top-1 {lt['top1_agreement']:.4f}, mean KL "
+                    f"{lt['mean_kl']:.2e}, max KL {lt['max_kl']:.2e}, ppl {lt['ppl_change']:+.2%}" if lt else "")
+                 + f" -> {'passed' if report.passed else 'FAILED'}")
     if raise_on_fail and not report.passed:
         raise NumericsMismatchError(
             f"{folder} differs from the reference beyond the tolerance for ({report.backend}, {report.precision}): "
             + "; ".join(report.failures) + f". Details in {folder / VERIFY_FILE}."
         )
     return {"passed": report.passed, "failures": report.failures, "mode": report.mode, "reference": report.reference,
-            **report.summary, **report.checks, "text": report.text}
+            **report.summary, **report.checks, "text": report.text,
+            **({"long_prompt_text": report.long_text} if report.long_text else {})}

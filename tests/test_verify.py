@@ -176,6 +176,11 @@ def test_a_correct_engine_passes(name: str, engines: dict, trained: Path, refere
     print(_show(name, "none", r))
     assert r.mode == ("strict" if r.precision == "fp32" else "teacher-forced")
     assert r.text["source"] == HELDOUT_FILE and r.text["positions"] == TEXT_POSITIONS  # as the rows were set
+    if name.startswith("intel"):  # long prompts take paged attention (its own u8 blocks): judged on the text too
+        assert r.long_text["path"] == "paged attention, decode paged", r.long_text
+        assert r.long_text["positions"] == TEXT_POSITIONS
+    else:
+        assert r.long_text == {}
     assert r.passed, r.failures
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,13 @@ class Session(ABC):
         """This backend's own cache rows for continuous batching (a kvexport.runtime.rows.Rows that
         decodes every row in one call), or None where it has none for this engine: the scheduler
         then steps one Session state per row."""
+        return None
+
+    def long_prompt_path(self, min_tokens: int) -> AbstractContextManager[dict[str, Any]] | None:
+        """Where a long prompt takes another path than a short one (the intel target's paged attention from
+        1024 tokens): a context manager under which fresh prompts of at least `min_tokens` take it, so that
+        verification can reach it on a short model. It yields a dict whose "path" says, on exit, which path the
+        last such prompt took. None where every prompt takes the same path."""
         return None
 
     def cache_bytes(self, state: Any) -> int | None:

@@ -7,7 +7,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from kvexport.backends import AutoMode, Backend, BuildOptions, Capabilities, Option, Progress, parse_bool
+from kvexport.backends import (AutoMode, Backend, BuildOptions, Capabilities, Option, Progress, parse_bool,
+                               parse_option)
 from kvexport.doctor import cpu_info
 from kvexport.errors import ArtifactError, InputError, KvexportError
 from kvexport.manifest import Manifest
@@ -33,6 +34,9 @@ OPTIONS = (
     Option("batch_rows", "str", "paged", "how the serving scheduler batches requests: paged (OpenVINO paged "
            "attention, every row in one infer per decode step) or state (one InferRequest per row, stepped in turn)",
            choices=("paged", "state"), phase="load"),
+    Option("paged_prefill_min", "int", None, "a fresh one-row prompt of at least this many tokens is prefilled and "
+           "decoded through OpenVINO paged attention (default 1024; lower it to verify that path on a short model)",
+           phase="load"),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
            "where every layer slides); false keeps them full length, on the fused attention and paged attention"),
     Option("int4_sym", "bool", False, "int4 weights symmetric (NNCF INT4_SYM, no zero points) instead of "
@@ -242,10 +246,15 @@ class IntelBackend(Backend):
 
         from kvexport_intel import lowering
 
-        unknown = sorted(set(options) - {"kv_precision", "numa_node", "numa_bind", "precision", "batch_rows"})
+        unknown = sorted(set(options) - {"kv_precision", "numa_node", "numa_bind", "precision", "batch_rows",
+                                         "paged_prefill_min"})
         if unknown:
-            raise InputError(f"the intel target takes threads=N, precision, kv_precision, numa_node, numa_bind and "
-                             f"batch_rows; not {unknown}")
+            raise InputError(f"the intel target takes threads=N, precision, kv_precision, numa_node, numa_bind, "
+                             f"batch_rows and paged_prefill_min; not {unknown}")
+        paged_min = parse_option(next(o for o in OPTIONS if o.name == "paged_prefill_min"),
+                                 options.get("paged_prefill_min"))
+        if paged_min is not None and paged_min < 1:
+            raise InputError(f"paged_prefill_min is a prompt length of at least 1 token, not {paged_min}")
         target = manifest.target or {}
         if target.get("backend") != "intel":
             raise ArtifactError(f"{folder} was built for {target.get('backend')!r}, not intel")
@@ -279,6 +288,8 @@ class IntelBackend(Backend):
         session = self._session(compiled, manifest, facts, ring)
         session.model_path, session.compile_config = str(xml), config
         session.batch_rows = str(options.get("batch_rows") or "paged")
+        if paged_min is not None:
+            session.paged_prefill_min = paged_min
         session.state_names = [past for past, _ in manifest.kv_pairs()]  # layer by layer, key then value
         session.windows = [manifest.config.window_of(i) for i in range(manifest.config.num_hidden_layers)]
         return session

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,22 +22,26 @@ MASKED = np.float32(-1e30)
 # Bytes per cached element by cache precision (the storage layout; OpenVINO does not report it).
 KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
 # A fresh batch-1 prompt of at least this many tokens is prefilled through the engine's paged-attention form
-# (kvexport_intel.paged); with a lossy cache its K/V is then handed to the request's state, where decode continues on
-# the fused attention with state (an f32 cache stays paged: below). The fused node's multi-token kernel scores the
+# (kvexport_intel.paged), compiled with the engine's own cache precision, and the request keeps decoding paged over
+# its blocks (below). The fused node's multi-token kernel scores the
 # whole S x S square under the explicit mask (MLAS, 4 query rows a block); the paged kernel attends causally with no
 # mask. Paged prefill time over one stateful call, same process, two rounds (bench-125m f32, AMD EPYC Zen 3 AVX2, 2
 # threads, load 5-6): 256 tokens 1.21x/1.00x, 512 1.13x/0.92x, 1024 1.01x/1.00x, 2048 0.91x/0.52x, 4096 0.46x/0.52x.
 # So from 1024 on (a tie there). Those figures leave out the copy into the state (docs/performance.md's prompt-4096
 # runs include it) and were taken before the paged form computed logits for the last token only
 # (kvexport_intel.paged), which takes lm_head work off the paged side alone.
-# With an f32 cache such a request also decodes paged (its blocks stay where the prefill wrote them): at a 4096-token
+# Such a request also decodes paged (its blocks stay where the prefill wrote them): with f32 caches, at a 4096-token
 # context the paged decode step took 0.81x the stateful one's time (per-step median of 40 interleaved steps,
 # bench-125m, same machine, load ~7; with u8 caches 0.92x at load ~1.9), and handing the blocks over cost ~0.7 s plus
 # a first stateful step of ~1.1 s at load ~7 (0.23-0.29 s and 0.12-0.14 s at load ~1.9; the plugin grows a state sized
 # to the prompt).
-# A lossy cache still hands over: its paged blocks would be quantized by paged attention's own scheme, not the state's
-# the build verified.
+# A u8 cache's blocks are quantized by paged attention's own scheme (keys per channel over each block of 32 tokens,
+# values per token and head, f32 scales and zero points: KEY_CACHE_QUANT_MODE below), not the state's (per token and
+# head for both); `kvexport verify` judges that path on its own (kvexport.verify.long_prompt_text).
 PAGED_PREFILL_MIN = 1024
+# Paged attention's u8 key quantization, set rather than left to the plugin's AUTO (which picks it in OpenVINO 2026.4,
+# as OpenVINO GenAI runs it), so that another OpenVINO's default cannot change what was verified.
+PAGED_KEY_QUANT = "BY_CHANNEL"
 
 
 @dataclass
@@ -48,7 +54,8 @@ class IntelState:
     beam_idx: np.ndarray | None = None  # (B,) int32 identity: rows are never reordered
     run_seconds: float = 0.0
     steps: int = 0
-    rows: Any = None  # a long prompt's PagedRows while its request decodes paged (f32 cache); None: the state holds it
+    rows: Any = None  # a long prompt's PagedRows while its request decodes paged; None: the state holds it
+    ids: list[int] | None = None  # the tokens a paged u8 request holds, to re-run them into the state on a hand-over
 
 
 class IntelSession(Session):
@@ -70,11 +77,26 @@ class IntelSession(Session):
         self.batch_rows = "paged"  # or "state": one InferRequest per row (the load option batch_rows)
         self.windows: list[int | None] = [None] * num_layers  # each layer's sliding window (None: whole past)
         self._paged: tuple[Any, str | None] | None = None  # (compiled paged model or None, why not)
-        self._prefill: tuple[Any, str | None] | None = None  # the same with an f32 cache, for long prompts
         self.state_names: list[str] = []  # the K/V variables, layer after layer, key then value (open_session)
+        self.paged_prefill_min = PAGED_PREFILL_MIN  # the load option paged_prefill_min: a fresh prompt this long is paged
 
     def describe(self) -> dict[str, Any]:
         return {"cache_policy": "internal", "device": "cpu (OpenVINO)", **self.facts}
+
+    def long_prompt_path(self, min_tokens: int) -> AbstractContextManager[dict[str, Any]] | None:
+        if self.ring is not None or not self.state_names:
+            return None  # every prompt takes the stateful call
+        return self._paged_from(min_tokens)
+
+    @contextmanager
+    def _paged_from(self, min_tokens: int) -> Iterator[dict[str, Any]]:
+        saved, self.paged_prefill_min = self.paged_prefill_min, min_tokens
+        note: dict[str, Any] = {"path": None}
+        try:
+            yield note
+        finally:
+            self.paged_prefill_min = saved
+            note["path"] = self.facts.get("long_prefill")
 
     # --- batched rows ------------------------------------------------------------------------
     def paged_unavailable(self) -> str | None:
@@ -109,6 +131,8 @@ class IntelSession(Session):
             return None, "this session was not loaded from an artifact"
         core = ov.Core()
         model = core.read_model(self.model_path)
+        if config.get("KEY_CACHE_PRECISION") == "u8":
+            config = {**config, "KEY_CACHE_QUANT_MODE": PAGED_KEY_QUANT}
         why, compiled = to_paged(model, self.windows), None
         if why is None:
             try:
@@ -118,26 +142,11 @@ class IntelSession(Session):
         return compiled, why
 
     def prefill_model(self) -> tuple[Any, str | None]:
-        """The paged-attention form with an f32 block cache, for long prompts (PAGED_PREFILL_MIN): the same
-        compiled model as the batched rows' where this engine's cache is f32, compiled on first use otherwise.
-        Its blocks are read back in f32 and handed to the request's state, which stores them in its own precision."""
+        """The paged-attention form for long prompts (paged_prefill_min), its block cache in this engine's cache
+        precision: the batched rows' compiled model."""
         if self.ring is not None:
             return None, "sliding-window layers keep rings in the state, which paged attention does not page"
-        if self.compile_config.get("KV_CACHE_PRECISION", "f32") == "f32":
-            compiled, why = self.paged_model()
-        else:
-            with self._lock:
-                if self._prefill is None:
-                    f32 = dict.fromkeys(("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION"), "f32")
-                    self._prefill = self._compile_paged({**self.compile_config, **f32})
-                compiled, why = self._prefill
-        if compiled is not None:
-            import openvino as ov
-
-            dtype = compiled.input("key_cache.0").get_element_type()
-            if dtype != ov.Type.f32:  # the copy into the state reads f32 blocks
-                return None, f"its paged block cache is {dtype}, not f32"
-        return compiled, why
+        return self.paged_model()
 
     def batched_rows(self, rows: int) -> Any:
         why = self.paged_unavailable()
@@ -170,7 +179,7 @@ class IntelSession(Session):
             return
         if state.rows is not None:
             state.rows.release()
-            state.rows = None
+            state.rows, state.ids = None, None
         state.request.reset_state()  # frees the state buffers' contents before reuse
         with self._lock:
             self._pool.append(state.request)
@@ -183,24 +192,32 @@ class IntelSession(Session):
         capacity. (Reading it copies the state: call it outside timed loops.)"""
         if state.request is None:
             return 0
-        if state.rows is not None:  # f32 blocks: the bytes of the slots held, as the state would report them
-            per_token = sum(c.nbytes for c in state.rows.caches) // (state.rows.num_blocks * state.rows.block)
-            return per_token * state.slots
+        if state.rows is not None:  # a paged request: the f32 bytes of the slots held, as the state would report them
+            return 2 * self.num_layers * self.kv_heads * self.head_dim * 4 * state.slots
         return sum(int(v.state.byte_size) for v in state.request.query_state())
 
     def cache_bytes(self, state: IntelState) -> int | None:
+        if state.request is not None and state.rows is not None:
+            # a paged request's blocks are buffers this session allocated in the cache's own type (a u8 block holds
+            # its scales and zero points too): their bytes per slot, for the slots held
+            rows = state.rows
+            return sum(c.nbytes for c in rows.caches) * state.slots // (rows.num_blocks * rows.block)
         if self.facts.get("kv_precision", "f32") != "f32":
             return None  # query_state shows the dequantized f32 view, not what is stored
         return self.state_bytes(state)
 
     def cache_bytes_copied(self, state: IntelState) -> int | None:
+        if state.rows is not None:
+            return 0  # a paged step writes its token's K/V into the request's blocks in place: nothing is copied
         return None  # the plugin grows its own state buffers: any copy happens inside OpenVINO, uncounted
 
     def not_measured(self) -> dict[str, str]:
+        """Why a figure is None: said of requests the state holds (a paged request measures both)."""
         return {
-            "cache_bytes": (f"OpenVINO returns the {self.facts.get('kv_precision')} cache converted to f32 "
-                            "(query_state), not its storage"),
-            "cache_bytes_copied": "OpenVINO grows its state buffers itself and reports no copy count",
+            "cache_bytes": (f"the state holds this request; OpenVINO returns its {self.facts.get('kv_precision')} "
+                            "cache converted to f32 (query_state), not its storage"),
+            "cache_bytes_copied": ("the state holds this request; OpenVINO grows its state buffers itself and reports "
+                                   "no copy count"),
         }
 
     # --- step -------------------------------------------------------------------------------
@@ -224,7 +241,7 @@ class IntelSession(Session):
             if _causal_run(position_ids, attention_mask, T):
                 return self._paged_step(state, input_ids)
             self._hand_over(state)  # a step paged attention cannot take (a hidden slot): the state takes over
-        if T == 0 and B == 1 and S >= PAGED_PREFILL_MIN and self.ring is None and self.state_names:
+        if T == 0 and B == 1 and S >= self.paged_prefill_min and self.ring is None and self.state_names:
             logits = self._paged_prefill(state, input_ids, position_ids, attention_mask)
             if logits is not None:
                 return logits
@@ -259,31 +276,29 @@ class IntelSession(Session):
 
     def _paged_prefill(self, state: IntelState, input_ids: np.ndarray, position_ids: np.ndarray,
                        attention_mask: np.ndarray) -> np.ndarray | None:
-        """A fresh request's one-row prompt through the paged-attention form (PAGED_PREFILL_MIN). With an f32 cache
-        the request keeps its blocks and decodes paged (state.rows); otherwise they are copied into the request's
-        state variables. None (nothing done) where the prompt is not a plain causal run from position 0 or this
-        engine has no paged form (the reason goes to facts["long_prefill"])."""
+        """A fresh request's one-row prompt through the paged-attention form (paged_prefill_min): the request keeps
+        its blocks, in the engine's cache precision, and decodes paged (state.rows). None (nothing done) where the
+        prompt is not a plain causal run from position 0 or this engine has no paged form (the reason goes to
+        facts["long_prefill"])."""
         S = input_ids.shape[1]
         if not _causal_run(position_ids, attention_mask, 0):
             return None
         compiled, why = self.prefill_model()
-        keep = self.compile_config.get("KV_CACHE_PRECISION", "f32") == "f32"
-        self.facts["long_prefill"] = (f"one stateful call: {why}" if why is not None else
-                                      "paged attention, decode paged" if keep else "paged attention, then the state")
+        self.facts["long_prefill"] = f"one stateful call: {why}" if why is not None else "paged attention, decode paged"
         if compiled is None:
             return None
         from kvexport_intel.paged import PagedRows
 
         t0 = time.perf_counter()
         # blocks for the engine's whole limit: calloc'd, so only the blocks a row writes become resident
-        state.rows = PagedRows(compiled, rows=1, max_seq=self.limit if keep else S, num_layers=self.num_layers,
+        state.rows = PagedRows(compiled, rows=1, max_seq=self.limit, num_layers=self.num_layers,
                                vocab_size=self.vocab_size)
         logits = state.rows.extend(0, input_ids[0]).copy()[None]  # (1, vocab)
         state.run_seconds += time.perf_counter() - t0
         state.steps += 1
         state.slots = S
-        if not keep:
-            self._hand_over(state)
+        if self._quantized_blocks():
+            state.ids = [int(t) for t in input_ids[0]]
         return logits
 
     def _paged_step(self, state: IntelState, input_ids: np.ndarray) -> np.ndarray:
@@ -291,17 +306,37 @@ class IntelSession(Session):
         t0 = time.perf_counter()
         logits = state.rows.extend(0, input_ids[0])[None]  # a view of the request's output: as _step's
         state.run_seconds += time.perf_counter() - t0
+        if state.ids is not None:
+            state.ids.extend(int(t) for t in input_ids[0])
         state.steps += 1
         state.slots += input_ids.shape[1]
         return logits
 
+    def _quantized_blocks(self) -> bool:
+        """Whether this engine's paged blocks are quantized (u8): values plus scales and zero points in the plugin's
+        own block layout, which OpenVINO does not document and gives no way to read back."""
+        return self.compile_config.get("KEY_CACHE_PRECISION", "f32") == "u8"
+
     def _hand_over(self, state: IntelState) -> None:
-        """Copy a paged request's f32 blocks into its state variables (the plugin stores them in the cache precision
-        it was loaded with, quantizing a u8 cache its own way) and free the blocks: the state holds the request now."""
+        """Move a paged request into its state variables and free its blocks: the state holds the request now.
+        f32/f16/bf16 blocks are read back exactly and copied in (the state stores them in the same type). u8 blocks
+        are not read back: their layout (keys quantized per channel over each block, values per token) is the
+        plugin's own and undocumented, and dequantizing them for the state to quantize again per token would store
+        keys rounded twice. The request's tokens are re-run instead, through one stateful call, so the state holds
+        exactly what a request that never went paged would hold (a prefill's time, on a step that is rare: one
+        that hides a held slot)."""
         import openvino as ov
 
         t0 = time.perf_counter()
         rows, S = state.rows, state.slots
+        if state.ids is not None:
+            ids = np.array([state.ids], dtype=np.int64)
+            rows.release()
+            state.rows, state.ids, state.slots = None, None, 0
+            state.request.reset_state()
+            i = np.arange(S)
+            self._step(state, ids, i[None], (i[None, :] <= i[:, None])[None, None])
+            return
         blocks = np.asarray(rows.tables[0])
         # a fresh request's blocks come off the free list in order: a view of them, not a gathered copy
         in_order = np.array_equal(np.diff(blocks), np.ones(len(blocks) - 1))
@@ -309,7 +344,8 @@ class IntelSession(Session):
         variables = {v.name: v for v in state.request.query_state()}
         for name, cache in zip(self.state_names, rows.caches):  # key_cache.i, value_cache.i: the same order
             held = cache[run]  # (blocks, kv_heads, block, head_dim) -> (1, kv_heads, S, head_dim)
-            kv = np.ascontiguousarray(held.transpose(1, 0, 2, 3).reshape(self.kv_heads, -1, self.head_dim)[None, :, :S])
+            kv = held.transpose(1, 0, 2, 3).reshape(self.kv_heads, -1, self.head_dim)[None, :, :S]
+            kv = np.ascontiguousarray(kv, dtype=np.float32)  # f16 blocks: exact in f32, stored as f16 again
             variables[name].state = ov.Tensor(kv)  # the plugin copies it
         rows.release()
         state.rows = None

@@ -73,6 +73,26 @@ def test_bench_prints_measured_figures_or_says_not_measured(intel_artifacts: dic
     assert v["kv_cache_bytes"] is None and "query_state" in v["not_measured"]["cache_bytes"]
     text = format_report(r)
     print(text)
-    assert "copied/step not measured (OpenVINO" in text and "kv not measured (OpenVINO returns the u8" in text
+    assert "copied/step not measured (the state holds this request; OpenVINO" in text
+    assert "kv not measured (the state holds this request; OpenVINO returns its u8" in text
     assert "copied/step 0 B" not in text
     assert np.isfinite(e["decode_tok_s"])
+
+
+def test_bench_measures_a_paged_request(intel_artifacts: dict) -> None:
+    """A request that decodes paged (the prompt at the paged_prefill_min threshold) holds its cache in blocks this
+    session allocated: its u8 bytes (scales included) are measured, and a paged step copies nothing."""
+    from kvexport.bench import format_report, run_bench
+
+    _, art = intel_artifacts["llama"]
+    u8 = kvexport.load(str(art), kv_precision="u8", precision="fp32", paged_prefill_min=8)
+    r = run_bench(u8, reference=None, prompt_lens=(8,), new_tokens=8, threads=1, baselines=False, floor=False,
+                  rounds=1)
+    assert u8.session.facts["long_prefill"] == "paged attention, decode paged"
+    v = r["prompts"]["8"]["engine"]
+    assert v["cache_bytes_copied_per_decode_step"] == 0 and not v["not_measured"]
+    cfg = u8.config
+    d = cfg.head_dim  # per slot and head: u8 key + its block's per-channel f32 scale/zero point; u8 value + its own
+    assert v["kv_cache_bytes"] == 15 * cfg.num_hidden_layers * cfg.num_key_value_heads * (2 * d + d // 4 + 8)
+    text = format_report(r)
+    assert "copied/step 0 B" in text and "not measured" not in text
