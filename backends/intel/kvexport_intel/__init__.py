@@ -34,6 +34,10 @@ OPTIONS = (
     Option("batch_rows", "str", "paged", "how the serving scheduler batches requests: paged (OpenVINO paged "
            "attention, every row in one infer per decode step) or state (one InferRequest per row, stepped in turn)",
            choices=("paged", "state"), phase="load"),
+    Option("paged_compile", "str", "load", "when the paged-attention form that long prompts and batched rows run is "
+           "compiled: at load (where the engine holds a prompt of paged_prefill_min tokens; the load takes longer) "
+           "or on first use (first_use: the compile then lands in the first long prompt's or batch's time)",
+           choices=("load", "first_use"), phase="load"),
     Option("paged_prefill_min", "int", None, "a fresh one-row prompt of at least this many tokens is prefilled and "
            "decoded through OpenVINO paged attention (default 1024; lower it to verify that path on a short model)",
            phase="load"),
@@ -247,10 +251,10 @@ class IntelBackend(Backend):
         from kvexport_intel import lowering
 
         unknown = sorted(set(options) - {"kv_precision", "numa_node", "numa_bind", "precision", "batch_rows",
-                                         "paged_prefill_min"})
+                                         "paged_prefill_min", "paged_compile"})
         if unknown:
             raise InputError(f"the intel target takes threads=N, precision, kv_precision, numa_node, numa_bind, "
-                             f"batch_rows and paged_prefill_min; not {unknown}")
+                             f"batch_rows, paged_prefill_min and paged_compile; not {unknown}")
         paged_min = parse_option(next(o for o in OPTIONS if o.name == "paged_prefill_min"),
                                  options.get("paged_prefill_min"))
         if paged_min is not None and paged_min < 1:
@@ -292,6 +296,9 @@ class IntelBackend(Backend):
             session.paged_prefill_min = paged_min
         session.state_names = [past for past, _ in manifest.kv_pairs()]  # layer by layer, key then value
         session.windows = [manifest.config.window_of(i) for i in range(manifest.config.num_hidden_layers)]
+        eager = (options.get("paged_compile") or "load") == "load"
+        why = session.compile_long_prompt_form() if eager else "paged_compile=first_use"
+        facts["paged_compile"] = "at load" if why is None else f"on first use ({why})"
         return session
 
     @staticmethod
