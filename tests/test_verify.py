@@ -273,3 +273,22 @@ def test_cache_checks_stay_within_the_rows_an_engine_was_compiled_for(artifacts:
     assert max(widest) == rows
     assert ("batch_independence_max_abs" in checks) is (rows > 1)
     assert all(v < 1e-4 for v in checks.values()), checks
+
+
+def test_the_long_prompt_path_is_judged_by_the_same_row() -> None:
+    """A long-prompt text outside the row fails the report, named as that path's, even where the ordinary text
+    passes; a strict row holds its logits to the row's max |dlogit|."""
+    from kvexport.tolerances import tolerance
+    from kvexport.verify import _judge
+
+    good = {"source": HELDOUT_FILE, "positions": TEXT_POSITIONS, "top1_agreement": 0.997, "mean_kl": 2e-5,
+            "max_kl": 7e-4, "max_abs_logit": 0.1, "ppl_engine": 10.0, "ppl_reference": 10.0, "ppl_change": 0.0}
+    bad = {**good, "top1_agreement": 0.9, "mean_kl": 1e-2, "max_abs_logit": 5.0}
+    for key, summary in (("fp32+kv-int8", {}), ("fp32", {"max_abs_logit": 1e-5, "greedy_agreement": 1.0,
+                                                          "mean_kl": 0.0})):
+        tol = tolerance("intel", key)
+        for long_text, fails in (({}, False), (good, key == "fp32"), (bad, True)):
+            r = VerifyReport("intel", key, "test", {}, "", summary=summary, text=good, long_text=long_text)
+            _judge(r, tol)
+            assert bool(r.failures) == fails, (key, r.failures)
+            assert all(f.startswith("long-prompt path") for f in r.failures), r.failures
