@@ -115,8 +115,9 @@ class IntelSession(Session):
         return None
 
     def paged_model(self) -> tuple[Any, str | None]:
-        """The paged-attention form of this engine, compiled once per session on first use (None and
-        the reason where the transformation does not give one PagedAttention per layer)."""
+        """The paged-attention form of this engine, compiled once per session: at load where long prompts take it
+        (compile_long_prompt_form), else on first use (None and the reason where the transformation does not give
+        one PagedAttention per layer)."""
         with self._lock:
             if self._paged is None:
                 self._paged = self._compile_paged(self.compile_config)
