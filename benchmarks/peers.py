@@ -81,6 +81,9 @@ class KvexportRunner:
         target = self.engine.manifest.target or {}
         self.info = {"kvexport": kvexport.__version__, "backend": target.get("backend"),
                      "weights": target.get("weights"), "kv": target.get("kv"), "prefill_piece": session.PREFILL_PIECE}
+        facts = self.engine.session.describe()
+        if "paged_compile" in facts:  # intel: whether the long prompts' paged form was compiled at load (not timed)
+            self.info["paged_compile"] = facts["paged_compile"]
 
     def run(self, ids: list[int], new: int) -> dict[str, float]:
         from kvexport.bench import bench_engine
