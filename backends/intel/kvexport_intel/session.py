@@ -109,9 +109,6 @@ class IntelSession(Session):
             return ("its sliding-window layers keep window-sized rings in the state, which OpenVINO's paged attention "
                     "transformation does not page; build with --option ring_cache=false to batch them through paged "
                     "attention (their caches then grow to max_seq)")
-        if self.facts.get("kv_precision", "f32") != "f32":
-            return (f"the {self.facts.get('kv_precision')} cache: paged attention quantizes its blocks "
-                    "differently from the state the build verified")
         return None
 
     def paged_model(self) -> tuple[Any, str | None]:

@@ -121,3 +121,30 @@ def test_a_paged_model_openvino_cannot_compile_falls_back_with_the_reason(intel_
     assert isinstance(rows_for(engine.session, 2), StateRows)
     assert engine.session.facts["batch_rows"].startswith(
         "one InferRequest per row: OpenVINO could not compile the paged model: Wrong value u1")
+
+
+@pytest.mark.parametrize("kv, dtype", [("u8", np.uint8), ("f16", np.float16)])
+def test_lossy_cache_rows_are_paged_each_as_alone(intel_artifacts: dict, kv: str, dtype: type) -> None:
+    """A u8 or f16 cache's rows run through paged attention too, its blocks in the cache's type (u8 quantized by
+    paged attention's own scheme, which `kvexport verify` judges through the long-prompt path): staggered rows get
+    what each prompt gets in a row of its own on the same blocks, and stay within the cache's row of the stateful
+    engine with the same cache in greedy tokens while they agree (random weights: near-ties part the greedy paths;
+    the cache's quality is judged on the trained default model)."""
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art), precision="fp32", kv_precision=kv)
+    rows = rows_for(engine.session, 4)
+    assert isinstance(rows, PagedRows) and engine.session.facts["batch_rows"] == "paged attention"
+    assert {c.dtype for c in rows.caches} == {np.dtype(dtype)}
+    prompts = [prompt_ids(n, seed=n) for n in (5, 17, 40)]
+    n_new = 40
+    got = run_staggered(rows, prompts, n_new, where=[1, 3, 0], chunk=4)
+    rows.release()
+    for i, prompt in enumerate(prompts):
+        one = rows_for(engine.session, 1)
+        alone = run_staggered(one, [prompt], n_new, where=[0], chunk=4)[0]
+        one.release()
+        assert np.abs(got[i] - alone).max() <= tolerance("intel", "fp32").max_abs_logit, i
+        assert (got[i].argmax(-1) == alone.argmax(-1)).all(), i
+        ref = greedy_logits(engine, prompt, n_new)
+        same = int(np.argmin(np.append(ref.argmax(-1) == got[i].argmax(-1), False)))  # steps on one token path
+        assert same >= 1 and np.abs(ref[:same] - got[i][:same]).max() < 0.1, (i, same)
