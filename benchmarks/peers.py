@@ -20,7 +20,9 @@ an intel artifact written `ART@paged_min=100000` prefills every prompt in one st
 paged prefill (the intel load option paged_prefill_min).
 
 `bench` runs the protocol of docs/benchmarks.md: greedy, 64 new tokens, batch 1, 2 threads, every
-system warmed up and then timed back to back in each round; it reports each system's best round
+system warmed up (an 8-token prompt at load, then one untimed pass at each prompt length before its
+rounds: a long prompt's first allocations, paid once per process, are not round 1's alone; skip it with
+--no-length-warmup) and then timed back to back in each round; it reports each system's best round
 and the median of its per-round ratios to the first system. Each system runs in a worker process
 of its own (kvexport artifacts in this interpreter's environment, peers in the peers' virtualenv),
 loaded once; only one works at a time. Prompts are token ids fed to each engine directly, so no
@@ -261,7 +263,8 @@ def bench(a: argparse.Namespace) -> None:
     paths = [Path(label) for label, _, _ in specs]
     prompts = [int(x) for x in a.prompt_lens.split(",")]
     print(f"cpu: {_cpu_name()}; {a.threads} threads, {a.new_tokens} new tokens, greedy, batch 1, "
-          f"{a.rounds} interleaved rounds (every other one in reverse order)", flush=True)
+          f"{a.rounds} interleaved rounds (every other one in reverse order)"
+          + (", one untimed pass per system at each prompt length first" if a.length_warmup else ""), flush=True)
     workers = []
     for label, p, options in specs:  # loaded one after another; each warms itself up before it says ready
         w = Worker(p, a.threads, options, label)
@@ -271,6 +274,9 @@ def bench(a: argparse.Namespace) -> None:
     try:
         for p in prompts:
             runs: dict[str, list[dict]] = {w.label: [] for w in workers}
+            if a.length_warmup:  # untimed: a long prompt's first-call allocations are not round 1's alone
+                for w in workers:
+                    w.run(p, 2)
             for r in range(a.rounds):
                 # every other round runs the systems in reverse order, so that on a host whose load drifts
                 # the later (or earlier) slots of a round do not always fall to the same systems
@@ -411,6 +417,8 @@ def main() -> None:
     s.add_argument("--rounds", type=int, default=3)
     s.add_argument("--ov-kv", choices=OV_KV, default="f32",
                    help="OpenVINO's KV cache precision (its CPU plugin defaults to u8 on x86; kvexport's default cache is fp32)")
+    s.add_argument("--no-length-warmup", dest="length_warmup", action="store_false",
+                   help="skip the untimed pass of every system at each prompt length before its rounds")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=bench)
     s = sub.add_parser("worker", help=argparse.SUPPRESS)
