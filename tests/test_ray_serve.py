@@ -105,6 +105,12 @@ def _replicas() -> set[str]:
             if a["name"].startswith(prefix)}
 
 
+def _actor(replica: str) -> Any:
+    import ray
+
+    return ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#KvexportReplica#{replica}", namespace="serve")
+
+
 def test_application_refuses_bad_arguments_before_ray(tmp_path: Path, artifact: Path) -> None:
     with pytest.raises(InputError, match="not an artifact folder"):
         application(str(tmp_path))
@@ -147,19 +153,21 @@ def test_replica_killed_mid_run(cluster: str, engine: Engine) -> None:
     from ray import serve
 
     before = _replicas()
-    n_tok = 900  # long enough to be mid-stream when the replica is frozen (prompts are < 16 tokens, max_seq 1024)
+    # each replica's process, found before the requests start so that freezing it costs no lookup through the GCS
+    pids = {rid: ray._private.state.actors(_actor(rid)._actor_id.hex())["Pid"] for rid in before}
+    n_tok = 900  # long enough to be mid-stream when the replicas are frozen (prompts are < 16 tokens, max_seq 1024)
     with Scheduler(engine, max_batch=1) as one_row:  # the same requests served alone, one after another
         alone = [one_row.generate(PROMPTS[i], n_tok, ignore_eos=True, **_sampling(i)).text for i in range(6)]
     started = threading.Barrier(7, timeout=T)
-    where: dict[int, str] = {}
+    outs: list[dict[str, Any]] = [{"text": "", "done": False, "error": None, "replica": None} for _ in range(6)]
 
     def stream(i: int) -> dict[str, Any]:
         body = {"model": MODEL, "prompt": PROMPTS[i], "max_tokens": n_tok, "stream": True, "ignore_eos": True,
                 **_sampling(i)}
-        out: dict[str, Any] = {"text": "", "done": False, "error": None}
+        out = outs[i]
         try:
             with httpx.Client(timeout=T) as c, c.stream("POST", cluster + "/v1/completions", json=body) as r:
-                out["replica"] = where[i] = r.headers[REPLICA_HEADER]
+                out["replica"] = r.headers[REPLICA_HEADER]
                 for k, line in enumerate(r.iter_lines()):
                     if line == "data: [DONE]":
                         out["done"] = True
@@ -181,21 +189,32 @@ def test_replica_killed_mid_run(cluster: str, engine: Engine) -> None:
         streams = [pool.submit(stream, i) for i in range(6)]
         plains = [pool.submit(plain, i) for i in range(6)]
         started.wait()  # every stream has its first chunk
-        victim = where[0]
-        actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#KvexportReplica#{victim}", namespace="serve")
-        # freeze the replica's process at once, then kill it: ray.kill reaches the process through the GCS and
-        # its raylet, and on a loaded machine a stream of the tiny model finished before that landed (CI, stop 19)
-        os.kill(ray._private.state.actors(actor._actor_id.hex())["Pid"], signal.SIGSTOP)
-        ray.kill(actor, no_restart=True)
+        # freeze both replicas at once, then choose as the victim one that still has a stream running: on a fast
+        # machine a stream of the tiny model finished between its first chunk and a freeze that first looked up
+        # the replica (CI, stops 19 and 21). What the frozen replicas had sent reaches the clients in the pause.
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        running = [o["replica"] for o in outs if not o["done"]]
+        assert running, "every stream finished before the replicas were frozen"
+        victim = outs[0]["replica"] if outs[0]["replica"] in running else running[0]
+        for rid, pid in pids.items():
+            if rid != victim:
+                os.kill(pid, signal.SIGCONT)
+        ray.kill(_actor(victim), no_restart=True)  # reaches the process through the GCS and its raylet
         killed_at = time.monotonic()
         s_results = [f.result(timeout=T) for f in streams]
         p_results = [f.result(timeout=T) for f in plains]
 
-    on_victim = [r for r in s_results if r["replica"] == victim]
-    assert on_victim, "no stream ran on the killed replica"
-    for r in on_victim:
-        assert not r["done"] and isinstance(r["error"], httpx.RemoteProtocolError)
-        assert len(r["text"]) < len(alone[s_results.index(r)])
+    on_victim = [i for i, r in enumerate(s_results) if r["replica"] == victim]
+    cut = [i for i in on_victim if not s_results[i]["done"]]
+    assert cut, "no stream was cut by the kill"
+    for i in on_victim:  # a stream cut by the kill ends without [DONE]; one that ended before the freeze is whole
+        r = s_results[i]
+        if i in cut:
+            assert isinstance(r["error"], httpx.RemoteProtocolError) and len(r["text"]) < len(alone[i])
+        else:
+            assert r["error"] is None and r["text"] == alone[i]
     for i, r in enumerate(s_results):
         if r["replica"] != victim:
             assert r["done"] and r["error"] is None and r["text"] == alone[i]
