@@ -265,3 +265,27 @@ def test_loading_imports_no_python_from_the_artifact(artifacts: dict[str, Path],
     before = set(sys.modules)
     kvexport.load(a).generate([5, 6], 2)
     assert not any("evil" in m for m in set(sys.modules) - before)
+
+
+def test_a_state_taken_back_to_fewer_slots_sees_only_them(engines: dict) -> None:
+    """Step a state 12 slots deep one token at a time, then step it again at slot 8 (taken back, as a
+    caller that drops a draft does): it must see slots 0..8 only, as a state that never went further."""
+    e = engines["llama"]
+    s = e.session
+    ids = np.array([random_ids(13, seed=4)], dtype=np.int64)
+    causal = np.tril(np.ones((8, 8), dtype=bool))[None, None]
+
+    def prefilled() -> object:
+        st = s.new_state(1, 64)
+        s.step(st, ids[:, :8], np.arange(8)[None], causal)
+        return st
+
+    went_on = prefilled()
+    for t in range(8, 12):
+        s.step(went_on, ids[:, t:t + 1], np.array([[t]]), np.ones((1, 1, 1, t + 1), dtype=bool))
+    back = s.step(went_on, ids[:, 12:13], np.array([[8]]), np.ones((1, 1, 1, 9), dtype=bool)).copy()
+    fresh = prefilled()
+    never = s.step(fresh, ids[:, 12:13], np.array([[8]]), np.ones((1, 1, 1, 9), dtype=bool)).copy()
+    assert np.abs(back - never).max() <= TOL.max_abs_logit
+    s.release(went_on)
+    s.release(fresh)
