@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -112,3 +113,13 @@ def intel_builds(shared: Path, checkpoints: dict[str, Path]) -> dict[str, Path]:
             return self[family]
 
     return _Lazy()  # type: ignore[return-value]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Name the CPU the suite ran on and the ISA it has, at the end where a CI log's tail shows it: ISA-dependent
+    tests choose their expectation from this CPU."""
+    from kvexport.doctor import cpu_info
+
+    info = cpu_info()
+    isa = ", ".join(name for name, present in info["isa"].items() if present) or "none detected"
+    terminalreporter.write_line(f"cpu: {info['model']} ({info['logical_cpus']} logical); ISA: {isa}")
