@@ -352,20 +352,26 @@ def build(a: argparse.Namespace) -> None:
     bad = sorted(set(modes) - {"fp32", "int8", "int4"})
     if bad:
         sys.exit(f"error: --modes takes fp32, int8 and int4, not {', '.join(bad)}")
+    peers = a.peers.split(",")
+    if not peers or set(peers) - {"ortgenai", "openvino"}:
+        sys.exit(f"error: --peers takes ortgenai and openvino, not {a.peers}")
     bindir = VENV / "bin"
     ckpt = _with_architectures(ckpt, out / ".checkpoint")
     for mode in modes:
         tag = mode + (f"-g{a.group_size}" if mode == "int4" else "")  # optimum's int8 is per channel
-        dest = out / ("ortgenai-" + (mode if mode == "fp32" else f"{mode}-g{a.group_size}"))
-        # its MatMulNBits: symmetric blocks of block_size, accuracy_level 4 (int8 compute) on cpu by default
-        extra = ["--extra_options", f"block_size={a.group_size}"] if mode != "fp32" else []
-        _run([str(PEER_PYTHON), "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(dest),
-              "-p", mode, "-e", "cpu", "-c", str(out / ".hf-cache"), *extra])
-        cfg_path = dest / "genai_config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["model"]["decoder"].setdefault("session_options", {}).update(
-            intra_op_num_threads=a.threads, inter_op_num_threads=1)
-        cfg_path.write_text(json.dumps(cfg, indent=4))
+        if "ortgenai" in peers:
+            dest = out / ("ortgenai-" + (mode if mode == "fp32" else f"{mode}-g{a.group_size}"))
+            # its MatMulNBits: symmetric blocks of block_size, accuracy_level 4 (int8 compute) on cpu by default
+            extra = ["--extra_options", f"block_size={a.group_size}"] if mode != "fp32" else []
+            _run([str(PEER_PYTHON), "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(dest),
+                  "-p", mode, "-e", "cpu", "-c", str(out / ".hf-cache"), *extra])
+            cfg_path = dest / "genai_config.json"
+            cfg = json.loads(cfg_path.read_text())
+            cfg["model"]["decoder"].setdefault("session_options", {}).update(
+                intra_op_num_threads=a.threads, inter_op_num_threads=1)
+            cfg_path.write_text(json.dumps(cfg, indent=4))
+        if "openvino" not in peers:
+            continue
         dest = out / f"openvino-{tag}"
         weight = ["--weight-format", mode] + (["--group-size", str(a.group_size), "--ratio", "1.0"] if mode == "int4" else [])
         _run([str(bindir / "optimum-cli"), "export", "openvino", "-m", str(ckpt), "--task", "text-generation-with-past",
@@ -406,6 +412,7 @@ def main() -> None:
     s.add_argument("checkpoint")
     s.add_argument("-o", "--output", required=True)
     s.add_argument("--modes", default="fp32,int8,int4")
+    s.add_argument("--peers", default="ortgenai,openvino", help="which peers to build (comma-separated)")
     s.add_argument("--group-size", type=int, default=32, help="int4 block size (use the kvexport artifact's)")
     s.add_argument("--threads", type=int, default=2)
     s.set_defaults(fn=build)
