@@ -6,6 +6,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvexport import backends
 from kvexport.backends import BuildOptions
@@ -159,11 +160,13 @@ def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: i
     }
     finish(folder, manifest)
     if progress:
+        def row(r: dict[str, Any]) -> str:
+            return (f"top-1 {r['top1_agreement']:.4f}, mean KL {r['mean_kl']:.2e}, max KL {r['max_kl']:.2e}, "
+                    f"ppl {r['ppl_change']:+.2%}")
+
         progress(f"verify ({report.mode}): greedy max |dlogit| {s['max_abs_logit']:.2e}, agreement "
-                 f"{s['greedy_agreement']:.3f}; {t['source']} top-1 {t['top1_agreement']:.4f}, mean KL "
-                 f"{t['mean_kl']:.2e}, max KL {t['max_kl']:.2e}, ppl {t['ppl_change']:+.2%}"
-                 + (f"; long-prompt path ({lt['path']}) top-1 {lt['top1_agreement']:.4f}, mean KL "
-                    f"{lt['mean_kl']:.2e}, max KL {lt['max_kl']:.2e}, ppl {lt['ppl_change']:+.2%}" if lt else "")
+                 f"{s['greedy_agreement']:.3f}; {t['source']} {row(t)}"
+                 + (f"; long-prompt path ({lt['path']}) {row(lt)}" if lt else "")
                  + f" -> {'passed' if report.passed else 'FAILED'}")
     if raise_on_fail and not report.passed:
         raise NumericsMismatchError(
