@@ -389,7 +389,6 @@ class CpuSession(Session):
                 mask = state.mask
                 assert mask is not None
                 mask[..., :total] = attention_mask
-                mask[..., total:] = False  # a state taken back to fewer slots must not see the rows past them
             else:
                 mask = np.zeros((B, 1, S, state.capacity), dtype=np.bool_)
                 mask[..., :total] = attention_mask
