@@ -30,6 +30,7 @@ from kvexport.zoo import write_named  # noqa: E402
 
 T = 120  # seconds: the bound on every wait
 MODEL = "default"
+ACTOR_PREFIX = f"SERVE_REPLICA::{APP_NAME}#KvexportReplica#"
 PROMPTS = ["def ", "import os\n", "class A:\n    def", "for i in range(", "return self.", "if x is None:\n",
            "print(", "with open("]
 
@@ -100,15 +101,14 @@ def _replicas() -> set[str]:
     """The ids of the live replicas (Ray Serve names each replica's actor after its id)."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{APP_NAME}#KvexportReplica#"
-    return {a["name"].removeprefix(prefix) for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)}
+    return {a["name"].removeprefix(ACTOR_PREFIX) for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(ACTOR_PREFIX)}
 
 
 def _actor(replica: str) -> Any:
     import ray
 
-    return ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#KvexportReplica#{replica}", namespace="serve")
+    return ray.get_actor(ACTOR_PREFIX + replica, namespace="serve")
 
 
 def test_application_refuses_bad_arguments_before_ray(tmp_path: Path, artifact: Path) -> None:
