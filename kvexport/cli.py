@@ -298,8 +298,15 @@ def cmd_build(a: argparse.Namespace) -> int:
         extra["numa_node"] = a.numa_node
     if a.defer:
         extra["defer"] = True
+    text = None
+    if a.calibration_text is not None:
+        path = Path(a.calibration_text)
+        if not path.is_file():
+            raise InputError(f"--calibration-text {path}: no such file; give a UTF-8 text file of the kind of text "
+                             "the model will see, or drop the option")
+        text = path.read_text(encoding="utf-8", errors="replace")
     opts = BuildOptions(precision=a.precision, weights=a.weights, group_size=a.group_size, kv=a.kv,
-                        threads=a.threads, max_batch=a.max_batch, extra=extra)
+                        threads=a.threads, max_batch=a.max_batch, extra=extra, calibration_text=text)
     build(a.model_dir, a.output, target=a.target, max_seq=a.max_seq, options=opts, verify=not a.no_verify,
           progress=_Progress(a.quiet))
     return 0
@@ -431,6 +438,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
             other = {b: n for b, n in (w.get("blocks") or {}).items() if int(b) != w.get("group_size")}
             block += "".join(f", {n} matrices at block {b} (fitted to their rows)" for b, n in other.items())
             print(f"  weights: {w['dtype']}{block}, {w['bytes']} bytes ({w['bytes'] / 2**20:.1f} MiB, scales included)")
+            if w.get("method") == "gptq":
+                cal = w.get("calibration") or {}
+                print(f"  rounding: gptq, {w.get('matrices')} matrices against their inputs on {cal.get('tokens')} "
+                      f"tokens ({cal.get('source')}); the lm_head round-to-nearest")
         if target.get("auto"):
             print(f"  auto picked: {target['auto']['reason']}")
         print(f"  fingerprint: {json.dumps(target['fingerprint'])}")
@@ -503,6 +514,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8)
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="backend-specific option")
     s.add_argument("--numa-node", type=int, default=None, help="pin threads and memory to this NUMA node (targets that place)")
+    s.add_argument("--calibration-text", metavar="FILE", default=None,
+                   help="UTF-8 text of the kind the model will see, for what the build calibrates (cpu: --kv int8 "
+                        "scales, --option quantizer=gptq; its last 2048 tokens); default: the checkpoint's "
+                        "heldout.txt, else a built-in sample")
     s.add_argument("--defer", action="store_true", help="package the prepared IR; build the engine at first load")
     s.add_argument("--no-verify", action="store_true")
     common(s)

@@ -168,3 +168,23 @@ def test_every_documented_command_line_parses() -> None:
             parser().parse_args(argv)
         except SystemExit as e:
             pytest.fail(f"{name}: `{line}` does not parse (exit {e.code})")
+
+
+def test_build_takes_a_calibration_text_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--calibration-text FILE reaches the build as the calibration sample; a missing file is refused first."""
+    import kvexport.build
+    from kvexport.cli import main
+
+    seen = []
+    monkeypatch.setattr(kvexport.build, "build", lambda *a, **kw: seen.append(kw["options"]))
+    text = tmp_path / "sample.txt"
+    text.write_text("def f(x):\n    return x + 1\n", encoding="utf-8")
+    assert main(["build", str(tmp_path), "-o", str(tmp_path / "o.kvx"), "--weights", "int4",
+                 "--option", "quantizer=gptq", "--calibration-text", str(text)]) == 0
+    assert seen[0].calibration_text == text.read_text() and seen[0].extra == {"quantizer": "gptq"}
+    assert main(["build", str(tmp_path), "-o", str(tmp_path / "o.kvx")]) == 0
+    assert seen[1].calibration_text is None  # build() then takes the checkpoint's heldout.txt, if any
+    p = kvx("build", str(tmp_path), "-o", str(tmp_path / "o.kvx"), "--calibration-text", str(tmp_path / "none.txt"),
+            ok=False)
+    assert p.returncode != 0 and "--calibration-text" in p.stderr and "no such file" in p.stderr
+    assert not (tmp_path / "o.kvx").exists()

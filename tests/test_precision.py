@@ -144,7 +144,8 @@ def test_cli_refuses_bad_modes_before_any_export(tmp_path: Path) -> None:
                          # a TensorRT engine keeps its cache in its own float type
                          (["--weights", "fp32", "--kv", "fp16", "--target", "nvidia"], "--weights fp32 takes --kv fp32"),
                          # a combination nobody measured has no row to verify against (not a KeyError after the build)
-                         (["--weights", "int8", "--kv", "int8"], "has no tolerance row for int8+kv-int8")]:
+                         (["--weights", "int8", "--kv", "int8"], "has no tolerance row for int8+kv-int8"),
+                         (["--option", "quantizer=gptq"], "quantizer=gptq rounds int8/int4 weights; --weights fp32")]:
         p = subprocess.run([sys.executable, "-m", "kvexport", "build", "-o", str(tmp_path / "x.kvx"), *args],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr

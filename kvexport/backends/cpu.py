@@ -14,7 +14,7 @@ from kvexport.backends import Backend as _Backend
 from kvexport.backends.cpu_quant import BITS as CPU_BITS
 from kvexport.backends.cpu_quant import DEFAULT_GROUP_SIZE as CPU_DEFAULT_GROUP_SIZE
 from kvexport.backends.cpu_quant import default_group_sizes
-from kvexport.backends.cpu_quant import LM_HEAD_MODES
+from kvexport.backends.cpu_quant import LM_HEAD_MODES, QUANTIZERS, Calibration
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import ArtifactError, InputError
 from kvexport.manifest import Manifest
@@ -31,6 +31,11 @@ OPTIONS = (
     Option("lm_head", "str", None, "the lm_head's bits under --weights int4: int8 (the default: the logits' "
            "projection is the most sensitive matmul) or int4 (fewer bytes a token, as onnxruntime-genai's "
            "int4 builds)", choices=tuple(LM_HEAD_MODES)),
+    Option("quantizer", "str", "rtn", "how --weights int8/int4 round each matrix: rtn (round to nearest, no data) "
+           "or gptq (each row of K's rounding error spread over the rows not yet rounded, against what the matrix's "
+           "input takes on the calibration text: --calibration-text, else the checkpoint's heldout.txt, else a "
+           "built-in sample)",
+           choices=QUANTIZERS),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots (past max_seq where every "
            "layer slides); false keeps them full length, on the fused GroupQueryAttention"),
 )
@@ -93,6 +98,9 @@ class CpuBackend(_Backend):
         typed = super().build_options(options)
         head = typed["lm_head"]
         weights = options.weights or options.precision or "fp32"
+        if typed["quantizer"] != "rtn" and weights not in (*CPU_BITS, "auto"):
+            raise InputError(f"--option quantizer={typed['quantizer']} rounds int8/int4 weights; --weights {weights} "
+                             "has nothing to round: use --weights int8 or int4, or drop the option")
         if head is not None and weights != "auto":
             if weights != "int4":
                 raise InputError(f"--option lm_head={head} sets the lm_head's bits under --weights int4; with "
@@ -174,8 +182,12 @@ class CpuBackend(_Backend):
             from kvexport.backends.cpu_quant import quantize_engine
 
             assert group_size is not None
+            typed = self.build_options(options)
+            calibration = None
+            if typed["quantizer"] == "gptq":
+                calibration = _gptq_calibration(engine / OPT_MODEL, folder, manifest, options, progress)
             quant = quantize_engine(engine / OPT_MODEL, OPT_DATA, precision, group_size, read_cpu_flags(), progress,
-                                    head_mode=self.build_options(options)["lm_head"], fit=options.fit_blocks)
+                                    head_mode=typed["lm_head"], fit=options.fit_blocks, calibration=calibration)
         if kv is not None:
             from kvexport.backends.cpu_kv import branch_engine
 
@@ -278,6 +290,25 @@ class CpuState:
     run_seconds: float = 0.0
     steps: int = 0
     grow_events: list[int] = field(default_factory=list)
+
+
+def _gptq_calibration(model: Path, folder: Path, manifest: Manifest, options: BuildOptions,
+                      progress: Progress) -> Calibration:
+    """What quantize_engine asks GPTQ's inputs of: a prefill of the calibration text (its tail, as the int8
+    cache's scales take it) through the fp32 graph at `model`, and the record of that text."""
+    from kvexport.backends import cpu_gptq
+    from kvexport.backends.cpu_kv import calibration_ids, text_encoder
+    from kvexport.verify import BUILTIN_TEXT
+
+    source, ids = calibration_ids(options.calibration_text, text_encoder(folder), manifest.config.vocab_size,
+                                  BUILTIN_TEXT)
+    threads = options.threads or default_threads()
+
+    def calibration(names: list[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        progress(f"gptq: prefilling {len(ids)} calibration tokens ({source}) for what the matmuls' inputs take")
+        return cpu_gptq.collect(model, manifest, ids, threads, names, progress), cpu_gptq.record(source, len(ids))
+
+    return calibration
 
 
 class CpuSession(Session):

@@ -56,6 +56,16 @@ def calibration_ids(text: str | None, encode: Callable[[str], list[int]] | None,
     return "seeded ids", [int(i) for i in rng.integers(lo, min(vocab_size, 259), CALIBRATION_WINDOW)]
 
 
+def text_encoder(folder: Path) -> Callable[[str], list[int]] | None:
+    """The artifact's tokenizer as text -> ids (special tokens added), or None when it ships none."""
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return lambda t: list(tok.encode(t, add_special_tokens=True).ids)
+
+
 def channel_scales(cache: np.ndarray, rotary_dim: int = 0) -> np.ndarray:
     """(1, H_kv, 1, D) float32 scales from a filled cache (B, H_kv, S, D): absmax / 127 per channel.
 
@@ -129,14 +139,8 @@ def build_int8_cache(model: onnx.ModelProto, folder: Path, manifest: Manifest, t
     from kvexport.backends.cpu import CpuSession
     from kvexport.verify import BUILTIN_TEXT
 
-    encode = None
-    if (folder / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        encode = lambda t: list(tok.encode(t, add_special_tokens=True).ids)  # noqa: E731
     cfg = manifest.config
-    source, ids = calibration_ids(text, encode, cfg.vocab_size, BUILTIN_TEXT)
+    source, ids = calibration_ids(text, text_encoder(folder), cfg.vocab_size, BUILTIN_TEXT)
     window = min(CALIBRATION_WINDOW, manifest.max_seq)
     progress(f"calibrating int8 KV scales on {len(ids)} tokens ({source}), {window} at a time")
     staged = folder / CALIBRATION_TMP

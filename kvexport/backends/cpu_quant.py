@@ -21,6 +21,10 @@ DEFAULT_GROUP_SIZE = {"int4": 32, "int8": 32}
 INT8_GROUP_WITHOUT_INT8_DOT = 128
 LM_HEAD_BITS_UNDER_INT4 = 8  # the logits' projection is the most sensitive matmul; 8 bits as genai's builder
 LM_HEAD_MODES = {"int8": 8, "int4": 4}  # --option lm_head= under --weights int4
+QUANTIZERS = ("rtn", "gptq")  # --option quantizer=: round to nearest, or GPTQ (kvexport.backends.cpu_gptq)
+# what GPTQ calibrates on: given the MatMul inputs' tensor names, the (tokens, K) values each took on the
+# calibration text, and the manifest's record of that text
+Calibration = Callable[[list[str]], "tuple[dict[str, np.ndarray], dict[str, Any]]"]
 # int8 dot products in hardware: MatMulNBits then quantizes activations per block and multiplies in int8
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
@@ -143,13 +147,17 @@ def _weight_rows(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: int, flags: set[str],
-                    progress: Callable[[str], None], head_mode: str | None = None, fit: bool = False) -> dict[str, Any]:
+                    progress: Callable[[str], None], head_mode: str | None = None, fit: bool = False,
+                    calibration: Calibration | None = None) -> dict[str, Any]:
     """Rewrite the optimized graph at model_path (external data in data_name beside it) with every MatMul on a
     constant weight as MatMulNBits: `weights` bits (int4: the lm_head at 8, or at `head_mode`), RTN,
     symmetric, blocks of group_size along K (with `fit`, the default group size: fitted_block per matrix).
-    Tied embeddings then read the lm_head's blocks through GatherBlockQuantized. Returns the record for the
-    manifest's target.weights."""
+    With `calibration`, every matrix but the lm_head is then rounded again by GPTQ against the values its
+    input took (the lm_head stays RTN: under int4 it keeps 8 bits, and a tied table reads its blocks as
+    embeddings, which no calibration input describes). Tied embeddings then read the lm_head's blocks through
+    GatherBlockQuantized. Returns the record for the manifest's target.weights."""
     import onnx
+    from onnx import numpy_helper
 
     level, why = accuracy_level(flags)
     t0 = time.perf_counter()
@@ -165,8 +173,20 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
         # (bits, block) per matrix; one quantizer pass per distinct pair, every other matrix left out of it
         plan = {name: (head_bits if name == head else bits, fitted_block(k, group_size) if fit else group_size)
                 for name, k in _weight_rows(model).items()}
+        method: dict[str, Any] = {"method": "rtn"}
+        if calibration is not None:
+            from kvexport.backends import cpu_gptq
+
+            inits = {t.name: t for t in model.graph.initializer}
+            by_name = {n.name: n for n in model.graph.node}
+            originals = {name: numpy_helper.to_array(inits[by_name[name].input[1]]) for name in plan if name != head}
+            inputs = cpu_gptq.input_names(model, list(originals))
+            seen, method = calibration(sorted(set(inputs.values())))
         for key in sorted(set(plan.values()), reverse=True):
             model = _quantize(model, key[0], key[1], level, exclude=[n for n, v in plan.items() if v != key])
+        if calibration is not None:
+            method["matrices"] = cpu_gptq.apply(model, originals, inputs, seen, progress)
+            del originals, seen
     finally:
         quiet.setLevel(before)
     embeddings = ("fp32 Gather (untied: it reads one row a token, no speed to gain)" if tied is None else
@@ -191,7 +211,7 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
                     location=data_name, size_threshold=1024)
     fitted = "".join(f", {n} at block {b}" for b, n in blocks.items() if int(b) != group_size)
     progress(f"cpu: {nbits} matmuls to MatMulNBits {weights} (group {group_size}{fitted}, lm_head {head_bits}-bit, "
-             f"{why}) in {time.perf_counter() - t0:.1f}s")
-    return {"method": "rtn", "symmetric": True, "accuracy_level": level, "accuracy_level_reason": why,
+             f"{method['method']}, {why}) in {time.perf_counter() - t0:.1f}s")
+    return {**method, "symmetric": True, "accuracy_level": level, "accuracy_level_reason": why,
             "lm_head_bits": head_bits if head is not None else None, "matmulnbits_nodes": nbits,
             "float_matmuls_left": matmuls, "embeddings": embeddings, "blocks": blocks}
