@@ -110,3 +110,38 @@ def test_nodes_the_quantizer_named_otherwise_are_an_error_not_a_silent_rtn() -> 
     model = helper.make_model(helper.make_graph([node], "g", [], []))
     with pytest.raises(UnsupportedFeatureError, match="found 0 of the 1 .*quantizer=rtn"):
         apply(model, {"mm": w}, {"mm": "x"}, {"x": np.ones((8, 32), np.float32)}, lambda _: None)
+
+
+def test_the_original_weights_are_mapped_from_disk_not_copied(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """GPTQ reads each fp32 matrix from the engine's external data file (a 1B model's would double the RAM)."""
+    import onnx
+    from onnx import helper
+
+    from kvexport.backends.cpu_quant import _weights_on_disk
+
+    rng = np.random.default_rng(3)
+    big, small = rng.standard_normal((64, 48)).astype(np.float32), rng.standard_normal((4, 2)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "big"], ["h"], name="a"),
+                               helper.make_node("MatMul", ["h", "small_w"], ["y"], name="b")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+                              [numpy_helper.from_array(big, "big"), numpy_helper.from_array(small, "small_w")])
+    path = tmp_path / "m.onnx"
+    onnx.save_model(helper.make_model(graph), str(path), save_as_external_data=True, location="m.onnx.data",
+                    size_threshold=1024)  # `small_w` stays inline
+    got = _weights_on_disk(path, onnx.load(str(path)), ["a", "b"])
+    assert isinstance(got["a"], np.memmap) and np.array_equal(got["a"], big)
+    assert not isinstance(got["b"], np.memmap) and np.array_equal(got["b"], small)
+
+
+def test_the_triangular_inverse_by_halves_is_the_inverse() -> None:
+    import torch
+
+    from kvexport.backends.cpu_gptq import _upper_inverse
+
+    g = torch.Generator().manual_seed(0)
+    for n in (300, 1100):  # one solve; three levels of halving with odd halves
+        a = torch.triu(torch.randn(n, n, generator=g) * 0.1) + 2.0 * torch.eye(n)
+        got = _upper_inverse(a)
+        assert torch.equal(got, torch.triu(got))
+        assert float((got @ a - torch.eye(n)).abs().max()) < 1e-4

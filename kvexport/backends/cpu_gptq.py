@@ -47,52 +47,71 @@ def factor(x: np.ndarray, damp: float = DAMP) -> tuple[Any, Any]:
     dead = torch.diagonal(h) == 0  # an input that was always zero: its rows of the weight cannot matter
     h[dead, dead] = 1.0
     h += damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
-    inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    return torch.linalg.cholesky(inv, upper=True), dead
+    # H^-1 = U^T U with U upper: with J the reversal, J H J = L L^T gives H = A A^T for A = J L J (upper), so
+    # U = A^-1: one Cholesky and one triangular solve (half the work of inverting H and factoring the inverse)
+    a = torch.flip(torch.linalg.cholesky(torch.flip(h, (0, 1))), (0, 1))
+    return _upper_inverse(a), dead
+
+
+def _upper_inverse(a: Any) -> Any:
+    """The inverse of the upper triangular `a` by halves: [[A, B], [0, D]]^-1 = [[A^-1, -A^-1 B D^-1], [0, D^-1]],
+    so the work is matrix products (a triangular solve against the identity costs 4x as much at K 8192)."""
+    import torch
+
+    n = a.shape[0]
+    if n <= 512:
+        return torch.linalg.solve_triangular(a, torch.eye(n, dtype=a.dtype), upper=True)
+    m = n // 2
+    top, bottom = _upper_inverse(a[:m, :m]), _upper_inverse(a[m:, m:])
+    out = torch.zeros_like(a)
+    out[:m, :m], out[m:, m:] = top, bottom
+    out[:m, m:] = -(top @ a[:m, m:]) @ bottom
+    return out
 
 
 def blocks(w: np.ndarray, bits: int, block: int, fac: tuple[Any, Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """MatMulNBits blocks of the (K, N) weight `w` (ONNX MatMul layout: y = x @ w): (packed uint8
     (N, K_blocks, block * bits / 8), scales float32 (N, K_blocks)). `fac`: factor() of the inputs the
-    matrix saw; None rounds to nearest."""
+    matrix saw; None rounds to nearest. Works on w's rows of K (each one contiguous N outputs)."""
     import torch
 
     k, n = w.shape
     nblocks = -(-k // block)
     half, top = 2 ** (bits - 1), 2**bits - 1
-    wt = torch.from_numpy(np.ascontiguousarray(w.T, dtype=np.float32)).clone()  # (N, K): a row per output
-    q = torch.zeros((n, nblocks * block), dtype=torch.uint8)  # a padded block's tail: 0 bytes, as the quantizer's
-    scales = torch.zeros((n, nblocks), dtype=torch.float32)
+    wk = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))  # (K, N), updated in place
+    q = torch.zeros((nblocks * block, n), dtype=torch.uint8)  # a padded block's tail: 0 bytes, as the quantizer's
+    scales = torch.zeros((nblocks, n), dtype=torch.float32)
     u = None
     if fac is not None:
         u, dead = fac
-        wt[:, dead] = 0.0
+        wk[dead] = 0.0
     lazy = block * max(1, LAZY_COLUMNS // block)  # a multiple of the block: no block straddles two batches
+    s = safe = scales[0]
     for a in range(0, k, lazy):
         b = min(a + lazy, k)
-        part = wt[:, a:b].clone()
-        err = torch.zeros_like(part)
+        part = wk[a:b]  # rows a..b, rounded in turn; what is left of them after is not read again
+        err = torch.empty((b - a, n), dtype=torch.float32)
         for j in range(b - a):
-            col = a + j
-            if col % block == 0:  # a new block: its scale from its columns as they stand now
-                span = part[:, j : j + block]
-                idx = span.abs().argmax(dim=1, keepdim=True)
-                scales[:, col // block] = span.gather(1, idx)[:, 0] / -half
-            s = scales[:, col // block]
-            safe = torch.where(s == 0, torch.ones_like(s), s)
-            qc = torch.where(s == 0, torch.full_like(s, half), torch.clamp(torch.round(part[:, j] / safe) + half, 0, top))
-            q[:, col] = qc.to(torch.uint8)
+            row = a + j
+            if row % block == 0:  # a new block: its scale from its rows as they stand now
+                span = part[j : j + block]
+                s = span.gather(0, span.abs().argmax(dim=0, keepdim=True))[0] / -half
+                scales[row // block] = s
+                safe = torch.where(s == 0, torch.ones_like(s), s)
+            qr = torch.where(s == 0, half, torch.clamp(torch.round(part[j] / safe) + half, 0, top))
+            q[row] = qr.to(torch.uint8)
             if u is None:
                 continue
-            e = (part[:, j] - (qc - half) * s) / u[col, col]
-            part[:, j:] -= e[:, None] * u[col, col:b][None, :]
-            err[:, j] = e
+            e = (part[j] - (qr - half) * s) / u[row, row]
+            if j + 1 < b - a:
+                part[j + 1 :].addr_(u[row, row + 1 : b], e, alpha=-1.0)
+            err[j] = e
         if u is not None and b < k:
-            wt[:, b:] -= err @ u[a:b, b:]
-    qb = q.numpy().reshape(n, nblocks, block)
+            wk[b:].addmm_(u[a:b, b:].T, err, alpha=-1.0)
+    qb = q.T.contiguous().numpy().reshape(n, nblocks, block)
     if bits == 4:
         qb = (qb[..., 0::2] | (qb[..., 1::2] << 4)).astype(np.uint8)
-    return np.ascontiguousarray(qb), scales.numpy()
+    return np.ascontiguousarray(qb), np.ascontiguousarray(scales.T.numpy())
 
 
 def input_names(model: onnx.ModelProto, weights: Sequence[str]) -> dict[str, str]:

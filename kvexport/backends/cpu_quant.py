@@ -146,6 +146,30 @@ def _weight_rows(model: onnx.ModelProto) -> dict[str, int]:
             if n.op_type == "MatMul" and len(dims.get(n.input[1], ())) == 2}
 
 
+def _weights_on_disk(model_path: Path, model: onnx.ModelProto, nodes: list[str]) -> dict[str, np.ndarray]:
+    """The fp32 weight (input 1) of each MatMul node in `nodes`, read-only, mapped from the external data file
+    beside model_path where the weight lives there (no second copy in RAM beside the loaded model's: a 1B
+    model's matrices are 4 GB), else copied from the loaded model."""
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import uses_external_data
+
+    skeleton = onnx.load(str(model_path), load_external_data=False)
+    stored = {t.name: t for t in skeleton.graph.initializer}
+    loaded = {t.name: t for t in model.graph.initializer}
+    weight = {n.name: n.input[1] for n in skeleton.graph.node if n.name in set(nodes)}
+    out: dict[str, np.ndarray] = {}
+    for name in nodes:
+        t = stored[weight[name]]
+        if uses_external_data(t) and t.data_type == onnx.TensorProto.FLOAT:
+            info = {e.key: e.value for e in t.external_data}
+            out[name] = np.memmap(model_path.parent / info["location"], dtype=np.float32, mode="r",
+                                  offset=int(info.get("offset", 0)), shape=tuple(t.dims))
+        else:
+            out[name] = numpy_helper.to_array(loaded[weight[name]])
+    return out
+
+
 def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: int, flags: set[str],
                     progress: Callable[[str], None], head_mode: str | None = None, fit: bool = False,
                     calibration: Calibration | None = None) -> dict[str, Any]:
@@ -157,7 +181,6 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
     embeddings, which no calibration input describes). Tied embeddings then read the lm_head's blocks through
     GatherBlockQuantized. Returns the record for the manifest's target.weights."""
     import onnx
-    from onnx import numpy_helper
 
     level, why = accuracy_level(flags)
     t0 = time.perf_counter()
@@ -177,9 +200,7 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
         if calibration is not None:
             from kvexport.backends import cpu_gptq
 
-            inits = {t.name: t for t in model.graph.initializer}
-            by_name = {n.name: n for n in model.graph.node}
-            originals = {name: numpy_helper.to_array(inits[by_name[name].input[1]]) for name in plan if name != head}
+            originals = _weights_on_disk(model_path, model, [name for name in plan if name != head])
             inputs = cpu_gptq.input_names(model, list(originals))
             seen, method = calibration(sorted(set(inputs.values())))
         for key in sorted(set(plan.values()), reverse=True):
