@@ -112,12 +112,13 @@ def test_nodes_the_quantizer_named_otherwise_are_an_error_not_a_silent_rtn() -> 
         apply(model, {"mm": w}, {"mm": "x"}, {"x": np.ones((8, 32), np.float32)}, lambda _: None)
 
 
-def test_the_original_weights_are_mapped_from_disk_not_copied(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """GPTQ reads each fp32 matrix from the engine's external data file (a 1B model's would double the RAM)."""
+def test_the_original_weights_are_read_from_disk_one_at_a_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """GPTQ reads each fp32 matrix from the engine's external data file when it rounds it (a copy of them all
+    beside the loaded model would be a 1B model's 4 GB more); a weight stored inline comes from the graph."""
     import onnx
     from onnx import helper
 
-    from kvexport.backends.cpu_quant import _weights_on_disk
+    from kvexport.backends.cpu_quant import WeightsOnDisk
 
     rng = np.random.default_rng(3)
     big, small = rng.standard_normal((64, 48)).astype(np.float32), rng.standard_normal((4, 2)).astype(np.float32)
@@ -129,9 +130,10 @@ def test_the_original_weights_are_mapped_from_disk_not_copied(tmp_path) -> None:
     path = tmp_path / "m.onnx"
     onnx.save_model(helper.make_model(graph), str(path), save_as_external_data=True, location="m.onnx.data",
                     size_threshold=1024)  # `small_w` stays inline
-    got = _weights_on_disk(path, onnx.load(str(path)), ["a", "b"])
-    assert isinstance(got["a"], np.memmap) and np.array_equal(got["a"], big)
-    assert not isinstance(got["b"], np.memmap) and np.array_equal(got["b"], small)
+    got = WeightsOnDisk(path, onnx.load(str(path), load_external_data=False), ["a", "b"])
+    assert sorted(got) == ["a", "b"] and len(got) == 2
+    assert isinstance(got.places["a"], tuple) and np.array_equal(got["a"], big)  # a place, read when asked
+    assert np.array_equal(got["b"], small)
 
 
 def test_the_triangular_inverse_by_halves_is_the_inverse() -> None:

@@ -19,7 +19,7 @@ the build's verification judges the result against the tolerance table either wa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -160,7 +160,7 @@ def collect(model_path: Path, manifest: Manifest, ids: Sequence[int], threads: i
     return got
 
 
-def apply(model: onnx.ModelProto, originals: dict[str, np.ndarray], inputs: dict[str, str],
+def apply(model: onnx.ModelProto, originals: Mapping[str, np.ndarray], inputs: dict[str, str],
           seen: dict[str, np.ndarray], progress: Callable[[str], None]) -> int:
     """Rewrite the blocks and scales of every MatMulNBits node whose source MatMul is in `originals`
     (node name of the MatMul -> its (K, N) fp32 weight) with GPTQ against what its input saw,

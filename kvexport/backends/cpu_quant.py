@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -146,28 +146,38 @@ def _weight_rows(model: onnx.ModelProto) -> dict[str, int]:
             if n.op_type == "MatMul" and len(dims.get(n.input[1], ())) == 2}
 
 
-def _weights_on_disk(model_path: Path, model: onnx.ModelProto, nodes: list[str]) -> dict[str, np.ndarray]:
-    """The fp32 weight (input 1) of each MatMul node in `nodes`, read-only, mapped from the external data file
-    beside model_path where the weight lives there (no second copy in RAM beside the loaded model's: a 1B
-    model's matrices are 4 GB), else copied from the loaded model."""
-    import onnx
-    from onnx import numpy_helper
-    from onnx.external_data_helper import uses_external_data
+class WeightsOnDisk(Mapping[str, np.ndarray]):
+    """The fp32 weight (input 1) of each MatMul node in `nodes` of the graph stored at model_path, read from
+    its external data file each time one is asked for (one matrix in RAM at a time beside the loaded model,
+    where a copy of all of them would be a 1B model's 4 GB more), or from the graph where it is stored inline."""
 
-    skeleton = onnx.load(str(model_path), load_external_data=False)
-    stored = {t.name: t for t in skeleton.graph.initializer}
-    loaded = {t.name: t for t in model.graph.initializer}
-    weight = {n.name: n.input[1] for n in skeleton.graph.node if n.name in set(nodes)}
-    out: dict[str, np.ndarray] = {}
-    for name in nodes:
-        t = stored[weight[name]]
-        if uses_external_data(t) and t.data_type == onnx.TensorProto.FLOAT:
-            info = {e.key: e.value for e in t.external_data}
-            out[name] = np.memmap(model_path.parent / info["location"], dtype=np.float32, mode="r",
-                                  offset=int(info.get("offset", 0)), shape=tuple(t.dims))
-        else:
-            out[name] = numpy_helper.to_array(loaded[weight[name]])
-    return out
+    def __init__(self, model_path: Path, skeleton: onnx.ModelProto, nodes: list[str]):
+        from onnx import numpy_helper
+        from onnx.external_data_helper import uses_external_data
+
+        stored = {t.name: t for t in skeleton.graph.initializer}
+        weight = {n.name: n.input[1] for n in skeleton.graph.node if n.name in set(nodes)}
+        self.places: dict[str, tuple[Path, int, tuple[int, ...]] | np.ndarray] = {}
+        for name in nodes:
+            t = stored[weight[name]]
+            if uses_external_data(t) and t.data_type == 1:  # FLOAT
+                info = {e.key: e.value for e in t.external_data}
+                self.places[name] = (model_path.parent / info["location"], int(info.get("offset", 0)), tuple(t.dims))
+            else:
+                self.places[name] = numpy_helper.to_array(t)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        place = self.places[name]
+        if isinstance(place, np.ndarray):
+            return place
+        path, offset, shape = place
+        return np.fromfile(path, dtype=np.float32, count=int(np.prod(shape)), offset=offset).reshape(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.places)
+
+    def __len__(self) -> int:
+        return len(self.places)
 
 
 def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: int, flags: set[str],
@@ -184,25 +194,27 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
 
     level, why = accuracy_level(flags)
     t0 = time.perf_counter()
+    skeleton = onnx.load(str(model_path), load_external_data=False)  # the graph, and where its weights lie
+    head_node = lm_head(skeleton)
+    head = head_node.name if head_node is not None else None
+    bits = BITS[weights]
+    head_bits = LM_HEAD_MODES[head_mode or "int8"] if bits == 4 else bits
+    # (bits, block) per matrix; one quantizer pass per distinct pair, every other matrix left out of it
+    plan = {name: (head_bits if name == head else bits, fitted_block(k, group_size) if fit else group_size)
+            for name, k in _weight_rows(skeleton).items()}
+    method: dict[str, Any] = {"method": "rtn"}
+    if calibration is not None:  # before the weights are loaded here: its prefill holds them in a session
+        from kvexport.backends import cpu_gptq
+
+        originals = WeightsOnDisk(model_path, skeleton, [name for name in plan if name != head])
+        inputs = cpu_gptq.input_names(skeleton, list(originals))
+        seen, method = calibration(sorted(set(inputs.values())))
     model = onnx.load(str(model_path))  # the weights too: the quantizer reads them
     head_node = lm_head(model)
-    head = head_node.name if head_node is not None else None
     tied = tied_embedding(model, head_node) if head_node is not None else None
     quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     before, quiet.level = quiet.level, logging.WARNING  # one INFO line per node otherwise
     try:
-        bits = BITS[weights]
-        head_bits = LM_HEAD_MODES[head_mode or "int8"] if bits == 4 else bits
-        # (bits, block) per matrix; one quantizer pass per distinct pair, every other matrix left out of it
-        plan = {name: (head_bits if name == head else bits, fitted_block(k, group_size) if fit else group_size)
-                for name, k in _weight_rows(model).items()}
-        method: dict[str, Any] = {"method": "rtn"}
-        if calibration is not None:
-            from kvexport.backends import cpu_gptq
-
-            originals = _weights_on_disk(model_path, model, [name for name in plan if name != head])
-            inputs = cpu_gptq.input_names(model, list(originals))
-            seen, method = calibration(sorted(set(inputs.values())))
         for key in sorted(set(plan.values()), reverse=True):
             model = _quantize(model, key[0], key[1], level, exclude=[n for n, v in plan.items() if v != key])
         if calibration is not None:
