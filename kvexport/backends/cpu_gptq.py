@@ -1,7 +1,7 @@
-"""GPTQ for the cpu engine's MatMulNBits weights: each matrix rounded a column of K at a time, the rounding
-error of every column spread over the columns not yet rounded through the inverse of the matrix's input
-statistics H = X^T X / n (Frantar et al., "GPTQ", 2022), so the layer's output on the calibration text
-moves less than round-to-nearest moves it. Calibration-driven: `--option quantizer=gptq`.
+"""GPTQ for the cpu engine's MatMulNBits weights: each (K, N) matrix rounded one row of K at a time, the
+rounding error of every row spread over the rows not yet rounded through the inverse of the matrix's
+input statistics H = X^T X / n (Frantar et al., "GPTQ", 2022; their "columns" are these rows), so the
+layer's output on the calibration text moves less than round-to-nearest moves it. `--option quantizer=gptq`.
 
 The blocks are ONNX Runtime's MatMulNBits format as its own symmetric quantizer (MLAS) writes them:
 per block of `block_size` rows of K, scale = (the block's value of largest magnitude) / -2^(bits-1),
@@ -12,9 +12,10 @@ rounding is exactly that quantizer's round-to-nearest (tests/test_cpu_gptq.py ho
 The statistics are taken from the fp32 engine graph itself: every quantized MatMul's input is made a
 graph output and the calibration text prefilled through the cpu session, PREFILL_PIECE tokens a
 window, each window from position 0; the inputs are kept (tokens x K float32 each: 2048 tokens of a
-1B model's 16 layers are ~1.9 GB) and H formed from them one input at a time. Every matrix's H comes from the fp32 model's activations (not
-from the layers before it already quantized, as the paper's sequential variant does): one pass, and
-the build's verification judges the result against the tolerance table either way.
+1B model's 16 layers are ~1.9 GB) and H formed from them one input at a time. Every matrix's H comes
+from the fp32 model's activations (not from the layers before it already quantized, as the paper's
+sequential variant does): one prefill, and the build's verification judges the result against the
+tolerance table either way.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from kvexport.manifest import Manifest
 
 DAMP = 0.01  # added to H's diagonal, times its mean: keeps the Cholesky factor defined (the paper's default)
-LAZY_COLUMNS = 128  # columns rounded before their error reaches the rest of the matrix (one matmul a batch)
+LAZY_ROWS = 128  # rows rounded before their error reaches the rest of the matrix (one matmul a batch)
 COLLECT_TMP = "model.gptq.tmp.onnx"  # beside the optimized graph, so its external-data path resolves
 
 
@@ -85,7 +86,7 @@ def blocks(w: np.ndarray, bits: int, block: int, fac: tuple[Any, Any] | None = N
     if fac is not None:
         u, dead = fac
         wk[dead] = 0.0
-    lazy = block * max(1, LAZY_COLUMNS // block)  # a multiple of the block: no block straddles two batches
+    lazy = block * max(1, LAZY_ROWS // block)  # a multiple of the block: no block straddles two batches
     s = safe = scales[0]
     for a in range(0, k, lazy):
         b = min(a + lazy, k)
@@ -170,6 +171,7 @@ def apply(model: onnx.ModelProto, originals: Mapping[str, np.ndarray], inputs: d
 
     inits = {t.name: t for t in model.graph.initializer}
     factors: dict[str, tuple[Any, Any]] = {}  # one per input tensor: matrices that share an input share it
+    left = {t: list(inputs.values()).count(t) for t in set(inputs.values())}  # a (K, K) factor is freed after
     done = 0
     t0 = time.perf_counter()
     for node in model.graph.node:
@@ -183,6 +185,9 @@ def apply(model: onnx.ModelProto, originals: Mapping[str, np.ndarray], inputs: d
         if tensor not in factors:
             factors[tensor] = factor(seen[tensor])
         packed, scales = blocks(originals[source], attrs["bits"], attrs["block_size"], factors[tensor])
+        left[tensor] -= 1
+        if not left[tensor]:  # its last matrix: 256 MB at K 8192
+            del factors[tensor], seen[tensor]
         for index, value in ((1, packed), (2, scales)):
             old = inits[node.input[index]]
             old.CopyFrom(numpy_helper.from_array(value.reshape(tuple(old.dims)), old.name))
