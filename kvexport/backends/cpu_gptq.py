@@ -129,6 +129,7 @@ def collect(model_path: Path, manifest: Manifest, ids: Sequence[int], threads: i
     from onnx import TensorProto, helper
 
     from kvexport.backends.cpu import CpuSession
+    from kvexport.backends.cpu_kv import prefill_windows
     from kvexport.runtime.session import PREFILL_PIECE
 
     graph = onnx.load(str(model_path), load_external_data=False)
@@ -137,22 +138,18 @@ def collect(model_path: Path, manifest: Manifest, ids: Sequence[int], threads: i
     graph.graph.output.extend(helper.make_tensor_value_info(t, TensorProto.FLOAT, None) for t in wanted if t not in have)
     staged = model_path.parent / COLLECT_TMP
     seen: dict[str, list[np.ndarray]] = {t: [] for t in wanted}
-    window = max(1, min(PREFILL_PIECE, manifest.max_seq))
     t0 = time.perf_counter()
+
+    def bind(state: Any) -> None:  # after logits and the caches: these are the binding's last outputs
+        for t in wanted:
+            state.binding.bind_output(t, "cpu")
+
     try:
         onnx.save_model(graph, str(staged))
         session = CpuSession(staged, manifest, threads)
-        for start in range(0, len(ids), window):
-            chunk = list(ids[start : start + window])
-            S = len(chunk)
-            state = session.new_state(1, S)
-            for t in wanted:  # after logits and the caches: these are the binding's last outputs
-                state.binding.bind_output(t, "cpu")
-            i = np.arange(S)
-            session.step(state, np.asarray([chunk], dtype=np.int64), i[None], (i[None, :] <= i[:, None])[None, None])
+        for state, _ in prefill_windows(session, ids, max(1, min(PREFILL_PIECE, manifest.max_seq)), bind):
             for t, value in zip(wanted, state.binding.get_outputs()[-len(wanted):]):
                 seen[t].append(value.numpy().reshape(-1, value.shape()[-1]))
-            session.release(state)
         del session
     finally:
         staged.unlink(missing_ok=True)
@@ -174,10 +171,9 @@ def apply(model: onnx.ModelProto, originals: Mapping[str, np.ndarray], inputs: d
     left = {t: list(inputs.values()).count(t) for t in set(inputs.values())}  # a (K, K) factor is freed after
     done = 0
     t0 = time.perf_counter()
+    named = {f"{m}_Q{b}": m for m in originals for b in (4, 8)}
     for node in model.graph.node:
-        if node.op_type != "MatMulNBits":
-            continue
-        source = next((m for m in originals if node.name in (f"{m}_Q4", f"{m}_Q8")), None)
+        source = named.get(node.name) if node.op_type == "MatMulNBits" else None
         if source is None or node.input[0] != inputs[source]:
             continue
         attrs = {a.name: a.i for a in node.attribute}

@@ -12,7 +12,7 @@ of the engine graph, so the manifest hashes them with every other engine file.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,23 +84,34 @@ def channel_scales(cache: np.ndarray, rotary_dim: int = 0) -> np.ndarray:
     return np.maximum(absmax / QMAX, MIN_SCALE).astype(np.float32)
 
 
+def prefill_windows(session: Any, ids: Sequence[int], window: int,
+                    before: Callable[[Any], None] | None = None) -> Iterator[tuple[Any, int]]:
+    """Prefill `ids` through a CpuSession `window` tokens at a time, each window from position 0 in a state of
+    its own; yields (state, tokens in it) after each step, then releases the state. `before(state)` runs
+    before the step."""
+    for start in range(0, len(ids), window):
+        chunk = list(ids[start : start + window])
+        S = len(chunk)
+        state = session.new_state(1, S)
+        if before is not None:
+            before(state)
+        i = np.arange(S)
+        mask = (i[None, :] <= i[:, None])[None, None]  # (1, 1, S, S) causal
+        session.step(state, np.asarray([chunk], dtype=np.int64), i[None], mask)
+        yield state, S
+        session.release(state)
+
+
 def calibrate(session: Any, manifest: Manifest, ids: list[int], rotary_dim: int,
               window: int) -> dict[str, np.ndarray]:
     """Prefill `ids` through an fp32 CpuSession, `window` tokens at a time (each from position 0).
     Returns each cache input's scale (keys with their RoPE pairs): the largest over every window."""
     kinds = {p["input"]: p["kind"] for p in manifest.cache["pairs"]}
     scales: dict[str, np.ndarray] = {}
-    for start in range(0, len(ids), window):
-        chunk = ids[start : start + window]
-        S = len(chunk)
-        state = session.new_state(1, S)
-        i = np.arange(S)
-        mask = (i[None, :] <= i[:, None])[None, None]  # (1, 1, S, S) causal
-        session.step(state, np.asarray([chunk], dtype=np.int64), i[None], mask)
+    for state, S in prefill_windows(session, ids, window):
         for (name, _), cache in zip(session.pairs, state.caches):
             got = channel_scales(cache[:, :, :S], rotary_dim if kinds[name] == "key" else 0)  # (1, H_kv, S, D) in
             scales[name] = np.maximum(scales[name], got) if name in scales else got
-        session.release(state)
     return scales
 
 

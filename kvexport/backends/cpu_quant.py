@@ -210,8 +210,7 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
         inputs = cpu_gptq.input_names(skeleton, list(originals))
         seen, method = calibration(sorted(set(inputs.values())))
     model = onnx.load(str(model_path))  # the weights too: the quantizer reads them
-    head_node = lm_head(model)
-    tied = tied_embedding(model, head_node) if head_node is not None else None
+    tied = tied_embedding(model, head_node) if head_node is not None else None  # reads the head's input names
     quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     before, quiet.level = quiet.level, logging.WARNING  # one INFO line per node otherwise
     try:
