@@ -442,6 +442,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                 cal = w.get("calibration") or {}
                 print(f"  rounding: gptq, {w.get('matrices')} matrices against their inputs on {cal.get('tokens')} "
                       f"tokens ({cal.get('source')}); the lm_head round-to-nearest")
+            elif w.get("data_aware"):  # the intel target: NNCF's corrections
+                cal = w.get("calibration") or {}
+                print(f"  rounding: NNCF {' + '.join(w['data_aware'])} on {cal.get('tokens')} tokens "
+                      f"({cal.get('source')}, {cal.get('items')} windows); the embedding and lm_head data-free")
         if target.get("auto"):
             print(f"  auto picked: {target['auto']['reason']}")
         print(f"  fingerprint: {json.dumps(target['fingerprint'])}")

@@ -45,6 +45,10 @@ OPTIONS = (
            "where every layer slides); false keeps them full length, on the fused attention and paged attention"),
     Option("int4_sym", "bool", False, "int4 weights symmetric (NNCF INT4_SYM, no zero points) instead of "
            "INT4_ASYM, optimum-intel's default"),
+    Option("quantizer", "str", "rtn", "how --weights int4 rounds: rtn (NNCF's data-free rounding) or gptq (NNCF's "
+           "GPTQ, against what each matmul's input takes on the calibration text: --calibration-text, else the "
+           "checkpoint's heldout.txt, else a built-in sample)",
+           choices=tuple(compress.QUANTIZERS)),
 )
 
 
@@ -122,6 +126,7 @@ class IntelBackend(Backend):
                              "group size); --group-size applies to --weights int4 here")
         if extra["int4_sym"] and weights != "int4":
             raise InputError(f"--option int4_sym applies to --weights int4, not {weights or 'the default'}")
+        compress.check_quantizer(weights or isa.auto_precision(isa.read_cpu_flags()), extra["quantizer"])
         if weights in compress.BLOCK_MODES:
             compress.require_nncf()
         kv = _build_kv(options)
@@ -155,7 +160,8 @@ class IntelBackend(Backend):
         weights = _weights_mode(options) or isa.auto_precision(flags)
         # fp32/bf16: the inference precision itself; int8/int4 weights: activations as this CPU computes fastest
         precision = weights if weights in OV_PRECISION else isa.auto_precision(flags)
-        plan = compress.plan(weights, options.group_size, extra["int4_sym"]) if weights in compress.BLOCK_MODES else None
+        plan = compress.plan(weights, options.group_size, extra["int4_sym"], extra["quantizer"]) \
+            if weights in compress.BLOCK_MODES else None
         kv = _build_kv(options)
         numa_node = _numa_node(extra.get("numa_node"))
         if numa_node is not None:
@@ -179,8 +185,11 @@ class IntelBackend(Backend):
             progress(f"intel: sliding-window layers keep full-length caches: {RINGS_F32}")
         model, ring = lowering.convert(dec, manifest, ring=rings)
         if plan is not None:
-            progress(f"intel: compressing weights with NNCF {plan['mode']}, group size {plan['group_size']}")
-            model = compress.compress(model, plan)
+            dataset = _calibration(model, folder, manifest, options, ring, plan, progress) \
+                if plan.get("data_aware") else None
+            progress(f"intel: compressing weights with NNCF {plan['mode']}, group size {plan['group_size']}"
+                     + (f", {plan['quantizer']} on {plan['calibration']['tokens']} tokens" if dataset else ""))
+            model = compress.compress(model, plan, dataset)
             progress(f"intel: compressed weight tensors {plan['compressed_weights']}")
         engine = folder / ENGINE_DIR
         engine.mkdir(exist_ok=True)
@@ -315,6 +324,23 @@ class IntelBackend(Backend):
                 "isa": isa.isa_report(flags), "would_pick_precision": isa.why_precision(flags),
                 "numa_nodes": {n.id: list(n.cpus) for n in topo.nodes},
                 "offline_cpus": list(topo.offline)}
+
+
+def _calibration(model: Any, folder: Path, manifest: Manifest, options: BuildOptions, ring: RingSpec | None,
+                 plan: dict[str, Any], progress: Progress) -> list[dict[str, Any]]:
+    """NNCF's calibration items for a data-aware quantizer: the calibration text's tail (as the cpu target's GPTQ
+    and int8 cache take it), in windows that fit the engine's cache and its rings; its record goes into `plan`."""
+    from kvexport.backends.cpu_kv import calibration_ids, text_encoder
+    from kvexport.verify import BUILTIN_TEXT
+
+    source, ids = calibration_ids(options.calibration_text, text_encoder(folder), manifest.config.vocab_size,
+                                  BUILTIN_TEXT)
+    window = min(compress.CALIBRATION_WINDOW, manifest.max_seq, ring.window if ring else manifest.max_seq)
+    items = compress.calibration_dataset(model, ring, ids, window)
+    plan["calibration"] = {"source": source, "tokens": len(ids), "window": window, "items": len(items)}
+    progress(f"intel: {plan['quantizer']} calibrates on {len(ids)} tokens ({source}) in {len(items)} windows "
+             f"of up to {window}")
+    return items
 
 
 # why a lossy cache turns the rings off (measured: a ring engine's logits are bit-identical at f32, f16 and u8)

@@ -1,4 +1,5 @@
-"""int8/int4 weights for the intel target: NNCF's data-free weight compression of the stateful OpenVINO IR.
+"""int8/int4 weights for the intel target: NNCF's weight compression of the stateful OpenVINO IR, data-free by
+default, or with NNCF's GPTQ against a calibration text (`--option quantizer=gptq`, int4 only).
 
 The defaults are those of `optimum-cli export openvino --weight-format int8|int4` (optimum-intel, checked
 against its configuration in August 2026), so that an engine and OpenVINO GenAI's are compared like for like:
@@ -18,12 +19,20 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import sys
 from collections import Counter
 from typing import Any
 
 from kvexport.errors import BackendUnavailableError, InputError
 
 BLOCK_MODES = ("int8", "int4")
+# --option quantizer: NNCF's data-free rounding, or its GPTQ fed the calibration text. NNCF's AWQ and scale
+# estimation were measured on the trained default model and moved its logits no less than data-free rounding
+# (docs/backends/intel.md), so they are not offered.
+QUANTIZERS = {"rtn": {}, "gptq": {"gptq": True}}
+# NNCF's calibration dataset: the calibration text's tokens in windows of this many, one item (one fresh state) each;
+# the cpu target's GPTQ prefills the same windows (kvexport.runtime.session.PREFILL_PIECE)
+CALIBRATION_WINDOW = 256
 DEFAULT_GROUP_SIZE = {"int8": None, "int4": 128}  # None: one scale per output channel
 MIN_ADJUSTED_GROUP = 32
 
@@ -36,10 +45,11 @@ def nncf_version() -> str | None:
     return str(nncf.__version__)
 
 
-def plan(weights: str, group_size: int | None, sym: bool) -> dict[str, Any]:
+def plan(weights: str, group_size: int | None, sym: bool, quantizer: str = "rtn") -> dict[str, Any]:
     """What compress() will ask NNCF for: recorded in the manifest, and checked before any export."""
     if weights not in BLOCK_MODES:
         raise InputError(f"NNCF compresses intel weights to {' or '.join(BLOCK_MODES)}, not {weights!r}")
+    check_quantizer(weights, quantizer)
     group = group_size if group_size is not None else DEFAULT_GROUP_SIZE[weights]
     mode = f"INT8_{'SYM' if sym else 'ASYM'}" if weights == "int8" else f"INT4_{'SYM' if sym else 'ASYM'}"
     record: dict[str, Any] = {"method": "nncf.compress_weights", "mode": mode, "group_size": group or -1,
@@ -47,7 +57,39 @@ def plan(weights: str, group_size: int | None, sym: bool) -> dict[str, Any]:
     if weights == "int4":
         record |= {"all_layers": False, "backup": "INT8_ASYM (embedding, lm_head)",
                    "group_size_fallback": f"adjust (>= {MIN_ADJUSTED_GROUP}, else INT8_ASYM)"}
+    record["quantizer"] = quantizer
+    if QUANTIZERS[quantizer]:
+        record["data_aware"] = dict(QUANTIZERS[quantizer])
     return record
+
+
+def check_quantizer(weights: str, quantizer: str) -> None:
+    """A data-aware quantizer rounds int4 weights only: refused for any other --weights before the export."""
+    if quantizer not in QUANTIZERS:
+        raise InputError(f"--option quantizer takes {', '.join(QUANTIZERS)}, not {quantizer!r}")
+    if quantizer != "rtn" and weights != "int4":
+        raise InputError(f"--option quantizer={quantizer} corrects int4 weights (NNCF's data-aware methods take no "
+                         f"INT8 mode, and fp32/bf16 weights are not rounded); with --weights {weights} drop the "
+                         "option, or build --weights int4")
+
+
+def calibration_dataset(model: Any, ring: Any, ids: list[int], window: int) -> list[dict[str, Any]]:
+    """NNCF's calibration items for the stateful IR: `ids` cut into windows of `window` tokens, each prefilled from
+    position 0 onto a fresh state (NNCF's engine resets the state before every item), with the inputs the session
+    itself gives such a step (kvexport_intel.session.step_inputs)."""
+    import numpy as np
+
+    from kvexport_intel.session import step_inputs
+
+    names = {name for port in model.inputs for name in port.get_names()}
+    items = []
+    for start in range(0, len(ids) - 1, window):  # every window holds at least 2 tokens
+        piece = np.asarray(ids[start:start + window], dtype=np.int64)[None]
+        S = piece.shape[1]
+        causal = np.tril(np.ones((S, S), dtype=bool))[None, None]
+        items.append(step_inputs(names, ring, 0, np.zeros(1, dtype=np.int32), piece,
+                                 np.arange(S, dtype=np.int64)[None], causal))
+    return items
 
 
 def require_nncf() -> None:
@@ -56,12 +98,17 @@ def require_nncf() -> None:
                                       "installed: pip install 'kvexport[intel]' (or pip install nncf==3.4.0)")
 
 
-def compress(model: Any, record: dict[str, Any]) -> Any:
-    """Compress `model`'s matmul and embedding weights in place as `record` (from plan()) says."""
+def compress(model: Any, record: dict[str, Any], dataset: list[dict[str, Any]] | None = None) -> Any:
+    """Compress `model`'s matmul and embedding weights in place as `record` (from plan()) says; a data-aware
+    record's corrections see `dataset` (calibration_dataset()), every item of it."""
     import nncf
 
     kwargs: dict[str, Any] = {"mode": getattr(nncf.CompressWeightsMode, record["mode"]),
                               "group_size": record["group_size"], "ratio": record["ratio"]}
+    if record.get("data_aware"):
+        if not dataset:
+            raise InputError(f"--option quantizer={record['quantizer']} needs calibration text; none was given")
+        kwargs |= {**record["data_aware"], "dataset": nncf.Dataset(dataset), "subset_size": len(dataset)}
     tables = position_tables(model)
     if tables:  # RoPE's cos/sin (or learned positions): NNCF would take them for embeddings
         kwargs["ignored_scope"] = nncf.IgnoredScope(names=tables)
@@ -72,7 +119,9 @@ def compress(model: Any, record: dict[str, Any]) -> Any:
             group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST, min_adjusted_group_size=MIN_ADJUSTED_GROUP)
     record["nncf"] = nncf_version()
     nncf.set_log_level(logging.ERROR)
-    with contextlib.redirect_stdout(io.StringIO()):  # its bit-width table and progress bar: recorded below instead
+    # data-free: its bit-width table and a second's progress bar, recorded below instead; data-aware: minutes on a
+    # large model, so its progress bars go to stderr, beside the build's own progress
+    with contextlib.redirect_stdout(sys.stderr if record.get("data_aware") else io.StringIO()):
         model = nncf.compress_weights(model, **kwargs)
     record["compressed_weights"] = dict(sorted(compressed_weights(model).items()))
     return model

@@ -44,6 +44,25 @@ PAGED_PREFILL_MIN = 1024
 PAGED_KEY_QUANT = "BY_CHANNEL"
 
 
+def step_inputs(input_names: Any, ring: RingSpec | None, T: int, beam_idx: np.ndarray, input_ids: np.ndarray,
+                position_ids: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.ndarray]:
+    """The stateful IR's inputs for a step of S tokens onto a state holding T slots; attention_mask is the
+    boolean (B, 1, S, T+S) of the Session API. Also the rows of NNCF's calibration dataset (kvexport_intel.compress)."""
+    B = input_ids.shape[0]
+    inputs = {
+        "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+        "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
+        "beam_idx": beam_idx,
+    }
+    if "attention_mask" in input_names:  # absent where every layer is a ring
+        inputs["attention_mask"] = np.where(attention_mask, np.float32(0.0), MASKED)  # (B, 1, S, T+S) additive
+    if ring is not None:  # the rings hold min(W, T) slots: the mask says which token each holds
+        held = sliding_mask(attention_mask, ring.length(T), ring.window)  # (B, 1, S, min(W, T)+S)
+        inputs[MASK_INPUT] = np.where(held, np.float32(0.0), MASKED)
+        inputs["write_index"] = np.full(B, T, dtype=np.int64)
+    return inputs
+
+
 @dataclass
 class IntelState:
     """One request: its own InferRequest, whose variables are this request's K/V cache."""
@@ -262,19 +281,9 @@ class IntelSession(Session):
 
     def _step(self, state: IntelState, input_ids: np.ndarray, position_ids: np.ndarray,
               attention_mask: np.ndarray) -> np.ndarray:
-        B, S = input_ids.shape
         T = state.slots
-        inputs = {
-            "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
-            "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
-            "beam_idx": state.beam_idx,
-        }
-        if "attention_mask" in self.input_names:  # absent where every layer is a ring
-            inputs["attention_mask"] = np.where(attention_mask, np.float32(0.0), MASKED)  # (B, 1, S, T+S) additive
-        if self.ring is not None:  # the rings hold min(W, T) slots: the mask says which token each holds
-            held = sliding_mask(attention_mask, self.ring.length(T), self.ring.window)  # (B, 1, S, min(W, T)+S)
-            inputs[MASK_INPUT] = np.where(held, np.float32(0.0), MASKED)
-            inputs["write_index"] = np.full(B, T, dtype=np.int64)
+        inputs = step_inputs(self.input_names, self.ring, T, state.beam_idx, input_ids, position_ids, attention_mask)
+        S = input_ids.shape[1]
         t0 = time.perf_counter()
         state.request.infer(inputs, share_inputs=True, share_outputs=True)
         state.run_seconds += time.perf_counter() - t0

@@ -179,3 +179,25 @@ def test_rings_with_a_lossy_cache_are_refused_before_the_export(intel_artifacts:
         build(intel_artifacts["mistral"][0], tmp_path / "r.kvx", target="intel", verify=False,
               options=BuildOptions(kv="int8", extra={"ring_cache": "true"}))
     assert not (tmp_path / "r.kvx.building").exists()
+
+
+def test_gptq_calibration_items_are_the_prefills_a_ring_engine_runs(mistral: kvexport.runtime.engine.Engine,
+                                                                    intel_artifacts: dict) -> None:
+    """--option quantizer=gptq's NNCF items on an engine whose every layer slides: windows no longer than the ring,
+    with the rings' mask and write index, each giving on a fresh state the logits of the engine's own prefill."""
+    import openvino as ov
+
+    from kvexport_intel import compress
+
+    folder = intel_artifacts["mistral"][1]
+    model = ov.Core().read_model(str(folder / "engine" / lowering.XML))
+    ids = prompt_ids(60, 5)
+    items = compress.calibration_dataset(model, RingSpec.of(mistral.manifest), ids, W)
+    assert [item["input_ids"].shape[1] for item in items] == [24, 24, 12]
+    assert "attention_mask" not in items[0] and "write_index" in items[0]  # every layer a ring
+    request = mistral.session.compiled.create_infer_request()
+    for k, item in enumerate(items):
+        request.reset_state()
+        request.infer(item, share_inputs=True, share_outputs=True)  # as the session and NNCF run it
+        want = mistral.prefill(ids[W * k:W * k + W]).logits[0]
+        np.testing.assert_allclose(request.get_output_tensor(0).data[0, -1], want, rtol=1e-5, atol=1e-5)
