@@ -297,11 +297,9 @@ def _gptq_calibration(model: Path, folder: Path, manifest: Manifest, options: Bu
     """What quantize_engine asks GPTQ's inputs of: a prefill of the calibration text (its tail, as the int8
     cache's scales take it) through the fp32 graph at `model`, and the record of that text."""
     from kvexport.backends import cpu_gptq
-    from kvexport.backends.cpu_kv import calibration_ids, text_encoder
-    from kvexport.verify import BUILTIN_TEXT
+    from kvexport.backends.cpu_kv import build_calibration_ids
 
-    source, ids = calibration_ids(options.calibration_text, text_encoder(folder), manifest.config.vocab_size,
-                                  BUILTIN_TEXT)
+    source, ids = build_calibration_ids(options.calibration_text, folder, manifest)
     threads = options.threads or default_threads()
 
     def calibration(names: list[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -56,6 +56,13 @@ def calibration_ids(text: str | None, encode: Callable[[str], list[int]] | None,
     return "seeded ids", [int(i) for i in rng.integers(lo, min(vocab_size, 259), CALIBRATION_WINDOW)]
 
 
+def build_calibration_ids(text: str | None, folder: Path, manifest: Manifest) -> tuple[str, list[int]]:
+    """calibration_ids() for a build: `text` (else the built-in sample) through the artifact's own tokenizer."""
+    from kvexport.verify import BUILTIN_TEXT
+
+    return calibration_ids(text, text_encoder(folder), manifest.config.vocab_size, BUILTIN_TEXT)
+
+
 def text_encoder(folder: Path) -> Callable[[str], list[int]] | None:
     """The artifact's tokenizer as text -> ids (special tokens added), or None when it ships none."""
     if not (folder / "tokenizer.json").is_file():
@@ -148,10 +155,9 @@ def build_int8_cache(model: onnx.ModelProto, folder: Path, manifest: Manifest, t
     """Calibrate on the fp32 engine graph `model` (fused, saved beside the IR so its weights resolve),
     then switch it to the int8 cache in place. Returns the manifest's `target.kv` record."""
     from kvexport.backends.cpu import CpuSession
-    from kvexport.verify import BUILTIN_TEXT
 
     cfg = manifest.config
-    source, ids = calibration_ids(text, text_encoder(folder), cfg.vocab_size, BUILTIN_TEXT)
+    source, ids = build_calibration_ids(text, folder, manifest)
     window = min(CALIBRATION_WINDOW, manifest.max_seq)
     progress(f"calibrating int8 KV scales on {len(ids)} tokens ({source}), {window} at a time")
     staged = folder / CALIBRATION_TMP

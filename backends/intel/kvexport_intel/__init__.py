@@ -187,8 +187,7 @@ class IntelBackend(Backend):
         if plan is not None:
             dataset = _calibration(model, folder, manifest, options, ring, plan, progress) \
                 if plan.get("data_aware") else None
-            progress(f"intel: compressing weights with NNCF {plan['mode']}, group size {plan['group_size']}"
-                     + (f", {plan['quantizer']} on {plan['calibration']['tokens']} tokens" if dataset else ""))
+            progress(f"intel: compressing weights with NNCF {plan['mode']}, group size {plan['group_size']}")
             model = compress.compress(model, plan, dataset)
             progress(f"intel: compressed weight tensors {plan['compressed_weights']}")
         engine = folder / ENGINE_DIR
@@ -330,11 +329,9 @@ def _calibration(model: Any, folder: Path, manifest: Manifest, options: BuildOpt
                  plan: dict[str, Any], progress: Progress) -> list[dict[str, Any]]:
     """NNCF's calibration items for a data-aware quantizer: the calibration text's tail (as the cpu target's GPTQ
     and int8 cache take it), in windows that fit the engine's cache and its rings; its record goes into `plan`."""
-    from kvexport.backends.cpu_kv import calibration_ids, text_encoder
-    from kvexport.verify import BUILTIN_TEXT
+    from kvexport.backends.cpu_kv import build_calibration_ids
 
-    source, ids = calibration_ids(options.calibration_text, text_encoder(folder), manifest.config.vocab_size,
-                                  BUILTIN_TEXT)
+    source, ids = build_calibration_ids(options.calibration_text, folder, manifest)
     window = min(compress.CALIBRATION_WINDOW, manifest.max_seq, ring.window if ring else manifest.max_seq)
     items = compress.calibration_dataset(model, ring, ids, window)
     plan["calibration"] = {"source": source, "tokens": len(ids), "window": window, "items": len(items)}
