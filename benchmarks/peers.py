@@ -12,8 +12,9 @@ the CPU build kvexport pins): kvexport does not depend on them.
     python benchmarks/peers.py bench out/b125-kv8.kvx out/peers/openvino-fp32@kv=u8 out/peers/openvino-fp32@kv=f32 \
         --prompt-lens 4096 --rounds 3
 
-An OpenVINO system written `FOLDER@kv=u8` keeps that KV cache precision (f32, f16 or u8) whatever --ov-kv
-says, so one run can time the same peer with both caches; `FOLDER@batched_tokens=256` cuts its prefill
+An OpenVINO system written `FOLDER@kv=u8` keeps that KV cache precision (f32, f16, bf16 or u8) whatever --ov-kv
+says, so one run can time the same peer with both caches; `FOLDER@precision=bf16,kv=bf16` runs it in bf16
+(its INFERENCE_PRECISION_HINT; f32 otherwise); `FOLDER@batched_tokens=256` cuts its prefill
 into scheduler steps of that many tokens. A kvexport system written `ART@piece=4096` prefills in engine
 calls of that many tokens instead of the runtime's PREFILL_PIECE (before against after, in one run);
 an intel artifact written `ART@paged_min=100000` prefills every prompt in one stateful call, as before the
@@ -45,7 +46,8 @@ HERE = Path(__file__).resolve().parent
 VENV = HERE / ".peers-venv"
 PEER_PYTHON = VENV / "bin" / "python"
 REQUIREMENTS = HERE / "peers-requirements.txt"
-OV_KV = ("f32", "u8", "f16")  # OpenVINO's KV_CACHE_PRECISION values a peer may be timed with
+OV_KV = ("f32", "u8", "f16", "bf16")  # OpenVINO's KV_CACHE_PRECISION values a peer may be timed with
+OV_PRECISION = ("f32", "bf16")  # its INFERENCE_PRECISION_HINT (bf16: only on a CPU with AMX-BF16 or AVX512-BF16)
 CONSTRAINTS = HERE / "peers-constraints.txt"
 
 
@@ -144,7 +146,8 @@ class OpenVinoRunner:
 
         self.ov, self.ov_genai = ov, ov_genai
         kv = options.get("ov_kv", "f32")
-        props = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "f32",
+        props = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1,
+                 "INFERENCE_PRECISION_HINT": options.get("precision", "f32"),
                  "KV_CACHE_PRECISION": kv, "PERFORMANCE_HINT": "LATENCY"}
         # its scheduler caches prompt prefixes by default: the same prompt in the next round would skip
         # its prefill (measured: TTFT 0.2 s for 512 tokens); every engine here computes every prompt
@@ -236,12 +239,14 @@ class Worker:
         self.proc.wait()
 
 
-SPEC_KEYS = {"openvino": ("kv", "batched_tokens"), "kvexport": ("piece", "paged_min"), "ortgenai": ()}
+SPEC_KEYS = {"openvino": ("kv", "batched_tokens", "precision"), "kvexport": ("piece", "paged_min"), "ortgenai": ()}
+CHOICES = {"kv": OV_KV, "precision": OV_PRECISION}  # the worded options; the others are positive integers
 
 
 def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
     """`FOLDER` or `FOLDER@key=value,...`: the system's folder and its worker options. An OpenVINO peer takes
-    kv=f32|f16|u8 (its cache precision; --ov-kv where not given) and batched_tokens=N (its scheduler's
+    kv=f32|f16|bf16|u8 (its cache precision; --ov-kv where not given), precision=f32|bf16 (its inference precision,
+    f32 where not given; under bf16 its paged cache must be bf16 or u8) and batched_tokens=N (its scheduler's
     max_num_batched_tokens; unlimited where not given, as LLMPipeline's own latency default); a kvexport
     artifact takes piece=N (the prompt tokens one engine call takes, kvexport.runtime.session.PREFILL_PIECE) and,
     on the intel target, paged_min=N (the shortest prompt prefilled through paged attention: the load option
@@ -251,7 +256,7 @@ def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
     options = {"ov_kv": ov_kv}
     for item in filter(None, tail.split(",")):
         key, _, value = item.partition("=")
-        if key not in SPEC_KEYS[kind] or not (value in OV_KV if key == "kv" else value.isdigit() and int(value) > 0):
+        if key not in SPEC_KEYS[kind] or not (value in CHOICES[key] if key in CHOICES else value.isdigit() and int(value) > 0):
             sys.exit(f"error: {text!r}: a {kind} system takes {', '.join(f'{k}=' for k in SPEC_KEYS[kind]) or 'no'} "
                      f"options after its folder, not {item!r}")
         options["ov_kv" if key == "kv" else key] = value

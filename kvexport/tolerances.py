@@ -53,33 +53,38 @@ KV_U8 = _lossy(top1=0.985, mean_kl=3e-4, max_kl=0.05, ppl_change=0.01)  # intel 
 # the same row judges intel u8's long-prompt path (paged attention's own u8 blocks: keys per channel over blocks of
 # 32 tokens, values per token; `kvexport verify`'s long-prompt text): 0.997, 2.2e-5, 7.4e-4, -0.04%, inside the
 # stateful figures on every measure but perplexity, so no row of its own
-# bf16 weights with a lossy cache: the errors add; and OpenVINO bf16 itself, which cannot run on
-# the AVX2 machine the rows were measured on: amd bf16 (full bf16 torch, a harsher rounding than
-# OpenVINO's bf16 matmuls) plus margin, to be replaced by a measurement on an AMX/AVX512-BF16 CPU
-BF16_DERIVED = _lossy(top1=0.97, mean_kl=1e-3, max_kl=0.05, ppl_change=0.02)
 
 TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("reference", "fp32"): EXACT,  # the owned decoder in eager torch
     ("cpu", "fp32"): EXACT,
     ("intel", "fp32"): FP32,
-    ("intel", "bf16"): BF16_DERIVED,  # derived, see above
+    # OpenVINO bf16 (AMD EPYC Zen 4, AVX512-BF16; no AMX), its cache held in bf16 (kvexport_intel.held_kv), the
+    # stateful path and then the long-prompt (paged) path: 1.0, 6.4e-5, 8.4e-4, +0.15% / 0.997, 4.1e-5, 5.3e-4, +0.10%;
+    # an f16 cache measures the same (bf16 K/V fit f16 exactly)
+    ("intel", "bf16"): BF16,
     # a lossy KV cache (target.kv, --kv) costs agreement on top of the weights' precision
     ("intel", "fp32+kv-fp16"): KV_F16,
     ("intel", "fp32+kv-int8"): KV_U8,
-    ("intel", "bf16+kv-fp16"): BF16_DERIVED,
-    ("intel", "bf16+kv-int8"): BF16_DERIVED,
+    ("intel", "bf16+kv-fp16"): BF16,
+    ("intel", "bf16+kv-int8"): _lossy(top1=0.98, mean_kl=1e-3, max_kl=0.05, ppl_change=0.01),  # 1.0, 1.6e-4, 4.3e-3, +0.07%
     # intel NNCF weights (kvexport_intel.compress), the activations quantized per 32 into the compressed matmuls
     # as the plugin does by default; measured top-1, mean KL, max KL, ppl change beside each row. int8: margin
     # for a bf16 CPU's bf16 activations on top (amd bf16 adds 8.4e-5 / 9.1e-4). int4: one row for every group
     # size and INT4_SYM, ~5x the worst KLs; its own error is as large as a RoPE or stale-slot bug's, so at int4
-    # only gross cache bugs (a wrong GQA head map: top-1 0.16) stand out
+    # only gross cache bugs (a wrong GQA head map: top-1 0.16) stand out. On a bf16 CPU (AMD EPYC Zen 4,
+    # AVX512-BF16) the activations are bf16 and the cache is held in bf16 (`+kv-bf16`), the stateful path and the
+    # long-prompt (paged) path each: int8 0.9948, 2.2e-4, 2.4e-3, +0.07% / 0.9948, 1.9e-4, 1.6e-3, -0.03%; int8 with
+    # the u8 cache 0.9974, 3.6e-4, 1.1e-2, +0.25% / 0.9922, 2.2e-4, 2.8e-3, -0.08%; int4 g128 0.9714, 4.0e-3, 0.063,
+    # -0.23% / 0.9661, 4.0e-3, 0.047, -0.18%; g64 0.9714, 4.3e-3, 0.058, +0.90%; g32 0.9792, 3.0e-3, 0.039, +0.70%;
+    # g128 with the u8 cache 0.9714, 4.2e-3, 0.051, -0.16%; g32 0.9766, 3.2e-3, 0.073, +0.64%
     ("intel", "int8"): _lossy(top1=0.98, mean_kl=3e-4, max_kl=0.01, ppl_change=0.01),  # 0.9948, 2.7e-5, 1.4e-4, -0.002%
-    ("intel", "int8+kv-int8"): _lossy(top1=0.98, mean_kl=5e-4, max_kl=0.05, ppl_change=0.01),  # 0.9948, 1.1e-4, 4.4e-3, +0.03%
+    ("intel", "int8+kv-int8"): _lossy(top1=0.98, mean_kl=1.5e-3, max_kl=0.05, ppl_change=0.01),  # 0.9948, 1.1e-4, 4.4e-3, +0.03%
+    ("intel", "int8+kv-bf16"): _lossy(top1=0.98, mean_kl=1e-3, max_kl=0.02, ppl_change=0.01),  # bf16 CPU, above
     # int4-g128 0.9714, 3.9e-3, 0.053, -0.27% (INT4_SYM 0.9688, 4.2e-3, 0.039, +1.19%); g64 0.9714, 4.0e-3, 0.072,
     # +0.82%; g32 0.9766, 2.8e-3, 0.041, +0.66%; with the u8 cache g128 0.9688, 3.9e-3, 0.060, -0.25%, g32 0.9766,
     # 2.8e-3, 0.038, +0.69%
     **{("intel", key): _lossy(top1=0.94, mean_kl=0.02, max_kl=0.3, ppl_change=0.04)
-       for g in (32, 64, 128) for key in (f"int4-g{g}", f"int4-g{g}+kv-int8")},
+       for g in (32, 64, 128) for key in (f"int4-g{g}", f"int4-g{g}+kv-int8", f"int4-g{g}+kv-bf16")},
     # cpu --kv int8 (per-channel scales calibrated at build; the default model's held-out text measures top-1
     # 0.9948, mean KL 6.8e-4, max KL 0.027, ppl -0.29%): the KLs 3-4x, not 10x, over what it measures, so
     # that RoPE off by one or a stale slot on top of it still fails (tests/test_verify.py)

@@ -18,8 +18,8 @@ from kvexport_intel.session import KV_ITEM_BYTES, IntelSession
 
 ENGINE_DIR = "engine"
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16"}
-KV_PRECISIONS = ("f32", "f16", "u8")
-KV_MODES = {"fp32": "f32", "fp16": "f16", "int8": "u8"}  # --kv -> OpenVINO's KV_CACHE_PRECISION
+KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
+KV_MODES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "u8"}  # --kv -> OpenVINO's KV_CACHE_PRECISION
 # --weights: fp32/bf16 are OpenVINO's INFERENCE_PRECISION_HINT over f32 weights; int8/int4 are NNCF-compressed
 # weights (kvexport_intel.compress), their activations in the CPU's own precision
 WEIGHT_MODES = ("fp32", "bf16", *compress.BLOCK_MODES)
@@ -27,7 +27,7 @@ OPTIONS = (
     Option("numa_node", "str", None, "pin threads and memory to this NUMA node (a number, or auto)", phase="both"),
     Option("numa_bind", "bool", True, "bind memory to the NUMA node the threads are pinned to", phase="both"),
     Option("engine", "str", "openvino", "the engine to build (IPEX is end-of-life)", choices=("openvino", "ipex")),
-    Option("kv_precision", "str", None, "load the cache in another precision than built (f32, f16, u8); at build "
+    Option("kv_precision", "str", None, "load the cache in another precision than built (f32, f16, bf16, u8); at build "
            "it is another name for --kv", choices=KV_PRECISIONS, phase="load"),
     Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
            phase="load"),
@@ -126,10 +126,16 @@ class IntelBackend(Backend):
                              "group size); --group-size applies to --weights int4 here")
         if extra["int4_sym"] and weights != "int4":
             raise InputError(f"--option int4_sym applies to --weights int4, not {weights or 'the default'}")
-        compress.check_quantizer(weights or isa.auto_precision(isa.read_cpu_flags()), extra["quantizer"])
+        flags = isa.read_cpu_flags()
+        compress.check_quantizer(weights or isa.auto_precision(flags), extra["quantizer"])
         if weights in compress.BLOCK_MODES:
             compress.require_nncf()
         kv = _build_kv(options)
+        if kv == "bf16" and _activations(weights or isa.auto_precision(flags), flags) != "bf16":
+            raise InputError(f"--kv bf16 goes with bf16 activations, and this build runs f32 ("
+                             + ("this CPU has neither AMX-BF16 nor AVX512-BF16" if not isa.has_bf16(flags)
+                                else f"--weights {weights}") + "); for a 2-byte cache under f32 activations pass "
+                             "--kv fp16 (the same bytes, 3 more mantissa bits), or --kv fp32")
         if kv != "f32" and "ring_cache" in options.extra and extra["ring_cache"]:
             raise InputError(f"--option ring_cache=true with the {kv} cache: {RINGS_F32}; build with --kv fp32 to keep "
                              "the rings, or leave ring_cache unset for a quantized cache on full-length sliding layers")
@@ -158,8 +164,7 @@ class IntelBackend(Backend):
             raise InputError("the intel target builds OpenVINO engines only; IPEX is end-of-life (see docs/backends/intel.md)")
         flags = isa.read_cpu_flags()
         weights = _weights_mode(options) or isa.auto_precision(flags)
-        # fp32/bf16: the inference precision itself; int8/int4 weights: activations as this CPU computes fastest
-        precision = weights if weights in OV_PRECISION else isa.auto_precision(flags)
+        precision = _activations(weights, flags)
         plan = compress.plan(weights, options.group_size, extra["int4_sym"], extra["quantizer"]) \
             if weights in compress.BLOCK_MODES else None
         kv = _build_kv(options)
@@ -213,8 +218,11 @@ class IntelBackend(Backend):
                  + (f"; {len(ring.layers)} sliding layers on {ring.window}-slot rings in the state" if ring else ""))
         progress(f"intel: precision {reason}" + ("" if asked or precision == "fp32"
                                                   else " (pass --precision fp32 for exact f32 numerics)"))
+        held = held_kv(precision, kv, ring)
+        if held != kv:
+            progress(f"intel: the cache holds bf16: {BF16_HELD}")
         kv_cost = None
-        if kv != "f32":
+        if kv not in ("f32", "bf16"):  # a bf16 cache is built only under bf16 activations, where it is exact
             from kvexport_intel.kvcost import kv_precision_cost
 
             # verify compares with the reference; this records what the lossy cache itself costs
@@ -249,6 +257,9 @@ class IntelBackend(Backend):
             "ring": {"window": ring.window, "layers": sorted(ring.layers), "max_positions": ring.max_positions}
             if ring else None,
         }
+        if held != kv or kv == "bf16":  # core's record would say the --kv asked for; this is the cache held
+            manifest.raw["target"]["kv"] = {"dtype": "bf16", "bytes_per_token": self.kv_bytes_per_token(manifest, "bf16"),
+                                            "why": BF16_HELD}
 
     # --- load -------------------------------------------------------------------------------
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None,
@@ -278,7 +289,8 @@ class IntelBackend(Backend):
         precision, warning = isa.runtime_precision(wanted, flags)
         if warning:
             warnings.warn(warning, IntelBackendWarning, stacklevel=3)
-        kv = _kv_precision(options.get("kv_precision", built.get("kv_precision", "f32")))
+        kv = held_kv(precision, _kv_precision(options.get("kv_precision", built.get("kv_precision", "f32"))),
+                     RingSpec.of(manifest))
 
         placement = place(options.get("numa_node", built.get("numa_node")),
                           parse_bool("numa_bind", options.get("numa_bind", built.get("numa_bind", True))))
@@ -343,6 +355,30 @@ def _calibration(model: Any, folder: Path, manifest: Manifest, options: BuildOpt
 # why a lossy cache turns the rings off (measured: a ring engine's logits are bit-identical at f32, f16 and u8)
 RINGS_F32 = ("OpenVINO's CPU plugin applies the cache precision only to its fused attention's state, so a ring's "
              "state would stay f32")
+
+
+# why an engine with bf16 activations keeps its cache in bf16 when f32 was asked for (held_kv)
+BF16_HELD = ("with bf16 activations K and V are computed in bf16, which a bf16 cache holds exactly (an f32 cache "
+             "gave bit-identical logits), and OpenVINO's paged attention, which long prompts and batched rows run, "
+             "keeps no f32 cache under bf16")
+
+
+def held_kv(activations: str, kv: str, ring: RingSpec | None = None) -> str:
+    """The cache precision an engine compiles with (OpenVINO's words) for the asked-for `kv`: under bf16 activations
+    an f32 request holds bf16 (BF16_HELD), except where sliding layers keep rings in the state, which the cache
+    precision does not reach and which never take the paged form (RINGS_F32); under f32 activations (a bf16 artifact
+    on a CPU without bf16 hardware) a bf16 request holds f32, as exact as the activations it then runs."""
+    if activations == "bf16" and kv == "f32" and ring is None:
+        return "bf16"
+    if activations != "bf16" and kv == "bf16":
+        return "f32"
+    return kv
+
+
+def _activations(weights: str, flags: set[str]) -> str:
+    """OpenVINO's inference precision for a weights mode: fp32/bf16 the mode itself; int8/int4 weights as this CPU
+    computes fastest (bf16 where it has bf16 hardware)."""
+    return weights if weights in OV_PRECISION else isa.auto_precision(flags)
 
 
 def _build_kv(options: BuildOptions) -> str:

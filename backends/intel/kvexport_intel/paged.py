@@ -186,8 +186,14 @@ class PagedRows(Rows):
                 port = compiled.input(f"{kind}_cache.{i}")
                 shape = (self.num_blocks, *(int(d.get_length()) for d in list(port.get_partial_shape())[1:]))
                 # zeros, not whatever the allocator left (calloc'd pages: resident only once a row writes them)
-                buf = aligned_zeros(shape, port.get_element_type().to_dtype())
-                self.request.set_tensor(f"{kind}_cache.{i}", ov.Tensor(buf, shared_memory=True))
+                kind_type = port.get_element_type()
+                if kind_type == ov.Type.bf16:  # numpy has no bf16: its bytes as uint16, the tensor typed bf16 over them
+                    buf = aligned_zeros(shape, np.uint16)
+                    tensor = ov.Tensor(buf, list(shape), kind_type)
+                else:
+                    buf = aligned_zeros(shape, kind_type.to_dtype())
+                    tensor = ov.Tensor(buf, shared_memory=True)
+                self.request.set_tensor(f"{kind}_cache.{i}", tensor)
                 self.caches.append(buf)
         self.unused = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
         self.tables: list[list[int]] = [[] for _ in range(rows)]

@@ -78,6 +78,22 @@ def test_bad_precision_is_refused(tmp_path: Path) -> None:
         build(None, tmp_path / "x.kvx", target="intel", options=BuildOptions(precision="fp16"))
 
 
+@pytest.mark.parametrize("cpu", ["this", "zen3"])
+def test_bf16_cache_under_f32_activations_is_refused_before_the_export(cpu: str, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kv bf16 rides on bf16 activations (an f32 request is held in bf16 there anyway); under f32 activations
+    fp16 is the 2-byte cache: asked for with --weights fp32 on any CPU, or with the default on one without bf16."""
+    from kvexport_intel import isa
+
+    if cpu == "zen3":
+        monkeypatch.setattr(isa, "read_cpu_flags", lambda *_a: {"avx2", "fma"})
+    asked = BuildOptions(weights="fp32", kv="bf16") if cpu == "this" else BuildOptions(kv="bf16")
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match="--kv bf16 goes with bf16 activations.*--kv fp16"):
+        build(None, tmp_path / "x.kvx", target="intel", options=asked)
+    assert time.perf_counter() - t0 < 5 and not (tmp_path / "x.kvx").exists()
+
+
 def test_ipex_path_says_plainly_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 

@@ -43,3 +43,16 @@ def test_this_machine_is_read() -> None:
     flags = isa.read_cpu_flags()
     assert flags, "/proc/cpuinfo has no flags line"
     assert isa.auto_precision(flags) == ("bf16" if {"amx_bf16", "avx512_bf16"} & flags else "fp32")
+
+
+def test_the_cache_held_follows_the_activations() -> None:
+    """bf16 activations hold an f32-asked cache in bf16 (bit-identical logits, and paged attention keeps no f32 cache
+    under bf16), except in ring engines; f32 activations hold a bf16-asked cache in f32; lossy caches stay as asked."""
+    from kvexport.runtime.ring import RingSpec
+    from kvexport_intel import held_kv
+
+    ring = RingSpec(window=8, layers=frozenset({0}), num_layers=2, max_positions=64)
+    assert held_kv("bf16", "f32") == "bf16" and held_kv("bf16", "bf16") == "bf16"
+    assert held_kv("bf16", "f32", ring) == "f32"
+    assert held_kv("fp32", "bf16") == "f32" and held_kv("fp32", "f32") == "f32"
+    assert [held_kv(a, kv) for a in ("fp32", "bf16") for kv in ("f16", "u8")] == ["f16", "u8", "f16", "u8"]
