@@ -83,7 +83,7 @@ class CpuBackend(_Backend):
             cache_policy="grow",
             precisions=("fp32", *CPU_BITS),  # int8/int4: MatMulNBits (kvexport.backends.cpu_quant)
             default_precision="fp32",
-            default_group_size=default_group_sizes(read_cpu_flags()),  # int8: 128 without int8 dot products
+            default_group_size=default_group_sizes(read_cpu_flags()),  # int8: 128, 32 with AMX-INT8
             kv_modes=("fp32", "int8"),
             ring_cache=True,  # ring layers stay unfused Attention-24 + TensorScatter circular (GroupQueryAttention has no ring)
             devices=("cpu",),

@@ -15,10 +15,12 @@ if TYPE_CHECKING:
 BITS = {"int8": 8, "int4": 4}  # the weight modes this module makes
 # int4: 32, as onnxruntime-genai's model builder. int8: see default_group_sizes
 DEFAULT_GROUP_SIZE = {"int4": 32, "int8": 32}
-# int8 without int8 dot products in hardware: MLAS's 8-bit kernel pays per block (a scale and a block sum
-# read, a float multiply-add) what VNNI would hide; blocks of 128 ran the bench-1b step's matrices faster
-# than 32 on an AVX2-only AMD EPYC (Zen 3) (docs/backends/cpu.md)
-INT8_GROUP_WITHOUT_INT8_DOT = 128
+# int8's block: MLAS's 8-bit kernel pays per block (a scale and a block sum read, a float multiply-add) beside
+# its bytes, and blocks of 128 ran bench-1b's step faster than 32 both without int8 dot products (AMD EPYC
+# Zen 3, AVX2 only) and with AVX512-VNNI (AMD EPYC Zen 4) (docs/backends/cpu.md)
+INT8_GROUP = 128
+# where 32 is kept: int8 dot products on AMX tiles, a kernel this project has not timed
+INT8_GROUP_32_FLAGS = ("amx_int8",)
 LM_HEAD_BITS_UNDER_INT4 = 8  # the logits' projection is the most sensitive matmul; 8 bits as genai's builder
 LM_HEAD_MODES = {"int8": 8, "int4": 4}  # --option lm_head= under --weights int4
 QUANTIZERS = ("rtn", "gptq")  # --option quantizer=: round to nearest, or GPTQ (kvexport.backends.cpu_gptq)
@@ -41,11 +43,11 @@ def accuracy_level(flags: set[str]) -> tuple[int, str]:
 
 def default_group_sizes(flags: set[str]) -> dict[str, int]:
     """The block size along K each weight mode takes when --group-size is not given, for a CPU with these
-    ISA flags: int4 32; int8 128 where the CPU lacks int8 dot products (measured), else 32 (not measured on
-    such a CPU: kept as it was)."""
-    if any(f in flags for f in INT8_DOT_FLAGS):
+    ISA flags: int4 32; int8 128 (measured faster on AVX2 alone and on AVX512-VNNI), except 32 where the CPU
+    has AMX-INT8 (not measured on such a CPU: kept as it was)."""
+    if any(f in flags for f in INT8_GROUP_32_FLAGS):
         return dict(DEFAULT_GROUP_SIZE)
-    return {**DEFAULT_GROUP_SIZE, "int8": INT8_GROUP_WITHOUT_INT8_DOT}
+    return {**DEFAULT_GROUP_SIZE, "int8": INT8_GROUP}
 
 
 def fitted_block(k: int, group: int) -> int:
