@@ -199,7 +199,14 @@ class IntelBackend(Backend):
         engine.mkdir(exist_ok=True)
         ov.save_model(model, str(engine / lowering.XML), compress_to_fp16=False)
         progress(f"intel: wrote {ENGINE_DIR}/{lowering.XML} in {time.perf_counter() - t0:.1f}s; checking the fused path")
-        compiled = ov.Core().compile_model(model, "CPU", _compile_config("fp32", "f32", 0, True, plan is not None))
+        held = held_kv(precision, kv, ring)
+        # compiled in the engine's own precision, whose packed weights are half f32's under bf16 (bench-1b's bf16 build
+        # peaked at 9.83 GiB compiling this at f32, beside the decoder's weights the converted model shares); at f32
+        # where a lossy cache's cost is measured against it below
+        lossless = kv in ("f32", "bf16")
+        compiled = ov.Core().compile_model(model, "CPU", _compile_config(precision if lossless else "fp32",
+                                                                         held if lossless else "f32", 0, True,
+                                                                         plan is not None))
         fused = lowering.fused_attention_layers(compiled)
         ops = lowering.runtime_op_counts(compiled)
         layers = manifest.config.num_hidden_layers
@@ -218,11 +225,10 @@ class IntelBackend(Backend):
                  + (f"; {len(ring.layers)} sliding layers on {ring.window}-slot rings in the state" if ring else ""))
         progress(f"intel: precision {reason}" + ("" if asked or precision == "fp32"
                                                   else " (pass --precision fp32 for exact f32 numerics)"))
-        held = held_kv(precision, kv, ring)
         if held != kv:
             progress(f"intel: the cache holds bf16: {BF16_HELD}")
         kv_cost = None
-        if kv not in ("f32", "bf16"):  # a bf16 cache is built only under bf16 activations, where it is exact
+        if not lossless:  # a bf16 cache is built only under bf16 activations, where it is exact
             from kvexport_intel.kvcost import kv_precision_cost
 
             # verify compares with the reference; this records what the lossy cache itself costs
