@@ -103,8 +103,8 @@ def test_every_strategy_computes_the_same_step(checkpoints: dict[str, Path]) -> 
         with dec.configured(kv=IN_PLACE):
             inplace = dec(ids, pos, torch.tensor([P]), mask, *[c.clone() for c in static])
     # concat attends over P+S keys, static over C (the rest masked): their softmax sums round differently, and so
-    # does every later layer's input: logits and the second layer's new cache rows were bit-identical with AVX2
-    # kernels, and differ by up to 1.5e-6 and 8.6e-7 with AVX-512 ones (AMD EPYC Zen 4); a wrong row or position
+    # does every later layer's input: with AVX2 kernels the logits agreed within 1e-6 and the second layer's new
+    # cache rows exactly; with AVX-512 ones (AMD EPYC Zen 4) they differ by up to 1.5e-6 and 8.6e-7; a wrong row or position
     # moves them by 1e-2 or more. The first layer's rows come before any attention: exact on every CPU.
     torch.testing.assert_close(cat[0], ref[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(inplace[0], ref[0], rtol=0, atol=0)

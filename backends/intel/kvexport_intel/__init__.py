@@ -263,7 +263,7 @@ class IntelBackend(Backend):
             "ring": {"window": ring.window, "layers": sorted(ring.layers), "max_positions": ring.max_positions}
             if ring else None,
         }
-        if held != kv or kv == "bf16":  # core's record would say the --kv asked for; this is the cache held
+        if held == "bf16":  # core's record would say the --kv asked for; this is the cache held
             manifest.raw["target"]["kv"] = {"dtype": "bf16", "bytes_per_token": self.kv_bytes_per_token(manifest, "bf16"),
                                             "why": BF16_HELD}
 
@@ -295,8 +295,8 @@ class IntelBackend(Backend):
         precision, warning = isa.runtime_precision(wanted, flags)
         if warning:
             warnings.warn(warning, IntelBackendWarning, stacklevel=3)
-        kv = held_kv(precision, _kv_precision(options.get("kv_precision", built.get("kv_precision", "f32"))),
-                     RingSpec.of(manifest))
+        ring = RingSpec.of(manifest)
+        kv = held_kv(precision, _kv_precision(options.get("kv_precision", built.get("kv_precision", "f32"))), ring)
 
         placement = place(options.get("numa_node", built.get("numa_node")),
                           parse_bool("numa_bind", options.get("numa_bind", built.get("numa_bind", True))))
@@ -312,7 +312,6 @@ class IntelBackend(Backend):
                  "weights": (target.get("weights") or {}).get("dtype", target["precision"]),
                  "openvino": _openvino_version(), "numa": placement,
                  "fused_attention_layers": lowering.fused_attention_layers(compiled)}
-        ring = RingSpec.of(manifest)
         if ring is not None:
             facts["ring"] = {"window": ring.window, "layers": sorted(ring.layers)}
         session = self._session(compiled, manifest, facts, ring)

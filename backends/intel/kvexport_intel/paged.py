@@ -186,12 +186,12 @@ class PagedRows(Rows):
                 port = compiled.input(f"{kind}_cache.{i}")
                 shape = (self.num_blocks, *(int(d.get_length()) for d in list(port.get_partial_shape())[1:]))
                 # zeros, not whatever the allocator left (calloc'd pages: resident only once a row writes them)
-                kind_type = port.get_element_type()
-                if kind_type == ov.Type.bf16:  # numpy has no bf16: its bytes as uint16, the tensor typed bf16 over them
+                etype = port.get_element_type()
+                if etype == ov.Type.bf16:  # numpy has no bf16: its bytes as uint16, the tensor typed bf16 over them
                     buf = aligned_zeros(shape, np.uint16)
-                    tensor = ov.Tensor(buf, list(shape), kind_type)
+                    tensor = ov.Tensor(buf, list(shape), etype)
                 else:
-                    buf = aligned_zeros(shape, kind_type.to_dtype())
+                    buf = aligned_zeros(shape, etype.to_dtype())
                     tensor = ov.Tensor(buf, shared_memory=True)
                 self.request.set_tensor(f"{kind}_cache.{i}", tensor)
                 self.caches.append(buf)
