@@ -200,15 +200,13 @@ class IntelBackend(Backend):
         ov.save_model(model, str(engine / lowering.XML), compress_to_fp16=False)
         progress(f"intel: wrote {ENGINE_DIR}/{lowering.XML} in {time.perf_counter() - t0:.1f}s; checking the fused path")
         held = held_kv(precision, kv, ring)
-        # compiled in the engine's own precision, whose packed weights are half f32's under bf16 (bench-1b's bf16 build
-        # peaked at 9.83 GiB compiling this at f32, beside the decoder's weights the converted model shares); at f32
-        # where a lossy cache's cost is measured against it below
         lossless = kv in ("f32", "bf16")
-        compiled = ov.Core().compile_model(model, "CPU", _compile_config(precision if lossless else "fp32",
-                                                                         held if lossless else "f32", 0, True,
-                                                                         plan is not None))
+        # the weights as inputs: the plugin's transformations without its packed copy of every weight
+        compiled = ov.Core().compile_model(lowering.weights_as_inputs(engine / lowering.XML), "CPU",
+                                           _compile_config(precision, held, 0, True, plan is not None))
         fused = lowering.fused_attention_layers(compiled)
         ops = lowering.runtime_op_counts(compiled)
+        del compiled
         layers = manifest.config.num_hidden_layers
         full = layers - (len(ring.layers) if ring else 0)  # a ring's Assign is its scatter, not the fused Concat
         if kv != "f32" and fused == 0:
@@ -231,11 +229,12 @@ class IntelBackend(Backend):
         if not lossless:  # a bf16 cache is built only under bf16 activations, where it is exact
             from kvexport_intel.kvcost import kv_precision_cost
 
+            def session(cache: str) -> IntelSession:  # compiled when asked, so one compiled model is held at a time
+                config = _compile_config("fp32", cache, 0, True, plan is not None)
+                return self._session(ov.Core().compile_model(model, "CPU", config), manifest, {"kv_precision": cache}, ring)
+
             # verify compares with the reference; this records what the lossy cache itself costs
-            exact = self._session(compiled, manifest, {"kv_precision": "f32"}, ring)
-            lossy_compiled = ov.Core().compile_model(model, "CPU", _compile_config("fp32", kv, 0, True, plan is not None))
-            lossy = self._session(lossy_compiled, manifest, {"kv_precision": kv}, ring)
-            kv_cost = kv_precision_cost(exact, lossy)
+            kv_cost = kv_precision_cost(lambda: session("f32"), lambda: session(kv))
             progress(f"intel: kv cache {kv} against the f32 cache: max |dlogit| {kv_cost['max_abs_logit']:.2e}, "
                      f"greedy agreement {kv_cost['greedy_agreement']:.3f}, mean KL {kv_cost['mean_kl']:.2e}")
         manifest.raw["target"] = {
@@ -255,7 +254,7 @@ class IntelBackend(Backend):
                 "cpu": cpu_info()["model"],
                 "numa_nodes": len(numa.read_topology().nodes),
                 "fused_attention_layers": fused,
-                "runtime_ops": {k: ops[k] for k in ("ScaledDotProductAttention", "MemoryInput", "MemoryOutput", "Concatenation")},
+                "runtime_ops": {k: ops[k] for k in ("ScaledDotProductAttention", "MemoryInput", "MemoryOutput")},
             },
             "options": {"threads": options.threads, "kv_precision": kv, "numa_node": numa_node,
                         "numa_bind": extra["numa_bind"], "kv_precision_cost": kv_cost},

@@ -2,6 +2,7 @@
 state occupies, measured as process memory (OpenVINO reports its state in f32 whatever it stores)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,19 +28,24 @@ def _greedy_logits(session: IntelSession, prompt: np.ndarray, forced: list[int] 
     return tokens, np.stack(logits)
 
 
-def kv_precision_cost(reference: IntelSession, lossy: IntelSession, *, prompt_len: int = 24, steps: int = 32,
-                      seed: int = 0) -> dict[str, Any]:
-    """Logit agreement lost by `lossy`'s cache precision, on one teacher-forced greedy run. The memory
-    it saves is not in here: OpenVINO does not report its state storage, and a one-row run is too
-    small to see in process memory (state_rss_growth measures it on a batch)."""
+def kv_precision_cost(reference: Callable[[], IntelSession], lossy: Callable[[], IntelSession], *,
+                      prompt_len: int = 24, steps: int = 32, seed: int = 0) -> dict[str, Any]:
+    """Logit agreement lost by the cache precision of the session `lossy()` makes, on one teacher-forced greedy
+    run against `reference()`'s. Each session is made when its run starts and dropped after it, so the two
+    compiled models (each with its packed weights) are never held at once. The memory the cache saves is not
+    in here: OpenVINO does not report its state storage, and a one-row run is too small to see in process
+    memory (state_rss_growth measures it on a batch)."""
     from kvexport.verify import compare
 
-    steps = max(2, min(steps, reference.max_seq - prompt_len))
+    session = reference()
+    steps = max(2, min(steps, session.max_seq - prompt_len))
     rng = np.random.default_rng(seed)
-    prompt = rng.integers(3, min(reference.vocab_size, 259), prompt_len).astype(np.int64)
-    tokens, ref = _greedy_logits(reference, prompt, None, steps)
-    _, got = _greedy_logits(lossy, prompt, tokens, steps)
-    return {"kv_precision": lossy.facts["kv_precision"], "prompt_len": prompt_len, "steps": steps,
+    prompt = rng.integers(3, min(session.vocab_size, 259), prompt_len).astype(np.int64)
+    tokens, ref = _greedy_logits(session, prompt, None, steps)
+    del session
+    session = lossy()
+    _, got = _greedy_logits(session, prompt, tokens, steps)
+    return {"kv_precision": session.facts["kv_precision"], "prompt_len": prompt_len, "steps": steps,
             "memory": "not measured at build (OpenVINO reports its state in f32 whatever it stores)",
             **compare(ref, got)}
 

@@ -10,6 +10,7 @@ weights read back from the artifact's own ONNX IR (the artifact stays self-conta
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,61 @@ def fused_attention_layers(compiled: Any) -> int:
         feeds = [i.get_node().get_rt_info()["layerType"].astype(str) for i in op.input_values()]
         n += feeds.count("MemoryInput") == 2
     return n
+
+
+# weight constants of at least this many elements become inputs of the build's fused-path check
+WEIGHT_INPUT_MIN = 4096
+
+
+def _weight_input_shape(op: Any) -> Any:
+    """The shape a weight constant takes as an input of the check: its own, with its contraction dimension (a
+    MatMul's K; an embedding table's rows) dynamic, or None where the constant is not a plain weight (read by
+    anything but MatMul's second input or Gather's table, e.g. NNCF's compressed weights, which stay constants).
+    One dimension dynamic keeps the plugin from allocating an input buffer of the weight's size at compile; the
+    output channels stay static, as the plugin's fused bias needs (a bias sized to a dynamic output fails)."""
+    import openvino as ov
+
+    shape = list(op.get_output_shape(0))
+    targets = list(op.output(0).get_target_inputs())
+    if len(shape) < 2 or math.prod(shape) < WEIGHT_INPUT_MIN or not targets:
+        return None
+    dims: set[int] = set()
+    for t in targets:
+        node = t.get_node()
+        kind = node.get_type_name()
+        if kind == "MatMul" and t.get_index() == 1:
+            dims.add(len(shape) - (1 if node.get_attributes()["transpose_b"] else 2))
+        elif kind == "Gather" and t.get_index() == 0:
+            dims.add(0)
+        else:
+            return None
+    if len(dims) != 1:
+        return None
+    dim = dims.pop()
+    return ov.PartialShape([-1 if i == dim else n for i, n in enumerate(shape)])
+
+
+def weights_as_inputs(xml: Path) -> Any:
+    """The stateful IR at `xml` with its weight constants (WEIGHT_INPUT_MIN elements or more, read by a MatMul or an
+    embedding Gather) turned into Parameters with one dynamic dimension (_weight_input_shape). Compiling it runs the
+    plugin's graph transformations, the stateful attention fusion among them, without the packed copy of every
+    weight a compile makes (an f32 compile of bench-1b beside the decoder's weights took the build past twice the
+    weights' bytes); the file's weights, mapped and never read, take no memory (model.clone() would copy them),
+    and the dynamic dimension keeps the plugin from allocating an input buffer per weight at compile (static
+    shapes took the weights' size again). Its fused-attention count and its ScaledDotProductAttention and
+    MemoryInput/MemoryOutput counts are the engine's own: a load compiles the real model, and tests/ compare the
+    two on every family. Shape arithmetic is not (dynamic shapes keep Concatenations that static ones fold)."""
+    import openvino as ov
+
+    model = ov.Core().read_model(str(xml))
+    inputs = []
+    for op in model.get_ordered_ops():
+        shape = _weight_input_shape(op) if op.get_type_name() == "Constant" else None
+        if shape is None:
+            continue
+        param = ov.opset13.parameter(shape, op.get_output_element_type(0), name=f"{op.get_friendly_name()}/as_input")
+        op.output(0).replace(param.output(0))
+        inputs.append(param)
+    model.add_parameters(inputs)
+    model.validate_nodes_and_infer_types()
+    return model
