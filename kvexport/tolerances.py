@@ -90,7 +90,7 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # that RoPE off by one or a stale slot on top of it still fails (tests/test_verify.py)
     ("cpu", "fp32+kv-int8"): _lossy(top1=0.98, mean_kl=2e-3, max_kl=0.1, ppl_change=0.01),
     # int4 g32 weights with the int8 cache: its KLs are int4's own (the cache adds little on top)
-    ("cpu", "int4-g32+kv-int8"): _lossy(top1=0.95, mean_kl=0.015, max_kl=0.2, ppl_change=0.05),  # 0.9714, 4.5e-3, 0.053, +1.05%
+    ("cpu", "int4-g32+kv-int8"): _lossy(top1=0.95, mean_kl=0.015, max_kl=0.2, ppl_change=0.05),  # 0.9740, 4.9e-3, 0.080, +1.27% (head at 128)
     # cpu --weights int8/int4: MatMulNBits, RTN symmetric, accuracy_level 4, int4 with an 8-bit lm_head
     # (kvexport.backends.cpu_quant); measured top-1, mean KL, max KL, ppl change beside each row (held-out
     # text, 384 positions, max_seq 256, AMD EPYC Zen 3 AVX2). int8: ~9x on the KLs. int4: ~3x on the KLs, so
@@ -100,8 +100,9 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # int8 takes blocks of 128, 32 on a CPU with AMX-INT8 (cpu_quant.default_group_sizes):
     # the row holds both; g128 measured 0.9922 (381 of 384), 2.9e-4, 4.4e-3, -0.03%
     ("cpu", "int8"): _lossy(top1=0.98, mean_kl=1e-3, max_kl=0.01, ppl_change=0.01),  # g32: 0.9974, 1.1e-4, 1.1e-3, -0.05%
-    ("cpu", "int4-g32"): _lossy(top1=0.95, mean_kl=0.012, max_kl=0.2, ppl_change=0.05),  # 0.9740, 3.8e-3, 0.055, +1.43%
-    ("cpu", "int4-g64"): _lossy(top1=0.94, mean_kl=0.015, max_kl=0.25, ppl_change=0.05),  # 0.9635, 4.5e-3, 0.081, +1.79%
+    # int4 g32/g64: the 8-bit head at block 128 (cpu_quant.head_block; Zen 4); at the group (Zen 3) beside it
+    ("cpu", "int4-g32"): _lossy(top1=0.95, mean_kl=0.012, max_kl=0.2, ppl_change=0.05),  # 0.9714, 3.9e-3, 0.057, +1.44% (0.9740, 3.8e-3, 0.055, +1.43%)
+    ("cpu", "int4-g64"): _lossy(top1=0.94, mean_kl=0.015, max_kl=0.25, ppl_change=0.05),  # 0.9635, 4.6e-3, 0.083, +1.74% (0.9635, 4.5e-3, 0.081, +1.79%)
     # --option lm_head=int4 (as onnxruntime-genai's int4 builds): the head's KLs ~1.4x the 8-bit head's
     ("cpu", "int4-g32+head-int4"): _lossy(top1=0.95, mean_kl=0.016, max_kl=0.2, ppl_change=0.05),  # 0.9714, 5.3e-3, 0.060, +1.82%
     ("cpu", "int4-g128"): _lossy(top1=0.95, mean_kl=0.015, max_kl=0.2, ppl_change=0.05),  # 0.9714, 4.2e-3, 0.037, +1.08%

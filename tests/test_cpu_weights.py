@@ -17,7 +17,7 @@ import kvexport
 from kvexport.artifact import export_artifact, finish, open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.backends.cpu import ENGINE_DIR, OPT_MODEL, CpuBackend, CpuSession
-from kvexport.backends.cpu_quant import INT8_DOT_FLAGS, accuracy_level, default_group_sizes, fitted_block
+from kvexport.backends.cpu_quant import INT8_DOT_FLAGS, accuracy_level, default_group_sizes, fitted_block, head_block
 from kvexport.doctor import read_cpu_flags
 from kvexport.precision import record, resolve
 from kvexport.runtime.engine import Engine
@@ -95,14 +95,18 @@ def test_each_weight_mode_builds_and_verifies_against_its_row(mode: str, builds:
     bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.graph.node
             if n.op_type == "MatMulNBits"}
     head = [b for name, b in bits.items() if name.startswith("lm_head")]
-    attrs = [{a.name: a.i for a in n.attribute} for n in graph.graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{"name": n.name, **{a.name: a.i for a in n.attribute}} for n in graph.graph.node if n.op_type == "MatMulNBits"]
     flags = read_cpu_flags()  # int8's block and every mode's accuracy level follow this CPU's ISA
     group = default_group_sizes(flags)["int8"] if mode == "int8" else int(mode.split("-g")[1].split("+")[0])
     assert t["weights"]["group_size"] == group
     # a default group size is fitted to each matrix's rows (down_proj's 704 under int8's 128 on AVX2: 64);
     # one asked for is kept, padded
     fitted = MODES[mode].group_size is None
-    assert [a["block_size"] for a in attrs] == [fitted_block(a["K"], group) if fitted else group for a in attrs]
+
+    def block(a: dict) -> int:  # the 8-bit head under int4 takes the int8 default block (cpu_quant.head_block)
+        b = head_block(group, a["bits"], flags) if a["name"].startswith("lm_head") and mode.startswith("int4") else group
+        return fitted_block(a["K"], b) if fitted or b != group else b
+    assert [a["block_size"] for a in attrs] == [block(a) for a in attrs]
     blocks = {str(b): [a["block_size"] for a in attrs].count(b) for b in {a["block_size"] for a in attrs}}
     assert t["weights"]["blocks"] == blocks
     assert {a["accuracy_level"] for a in attrs} == {accuracy_level(flags)[0]}
@@ -131,6 +135,17 @@ def test_weight_bytes_shrink_with_the_mode(builds: _Builds) -> None:
     assert (w["int4-g32"]["bytes"] - emb) < 0.2 * (fp32 - emb)
     assert w["int4-g128"]["bytes"] < w["int4-g32"]["bytes"]  # fewer scales
     assert w["int4-g32"]["lm_head_bits"] == 8 and w["int4-g32"]["accuracy_level"] == accuracy_level(read_cpu_flags())[0]
+
+
+def test_the_8bit_head_under_int4_takes_the_int8_block(builds: _Builds) -> None:
+    """Under int4 the 8-bit lm_head is quantized at the int8 default block for this CPU where that is wider than the
+    group (128; 32 with AMX-INT8), the 4-bit head at the group; the record says which (the graph's blocks:
+    test_each_weight_mode_builds_and_verifies_against_its_row)."""
+    flags = read_cpu_flags()
+    want = 32 if "amx_int8" in flags else 128
+    assert head_block(32, 8, flags) == want and head_block(32, 4, flags) == 32 and head_block(128, 8, flags) == 128
+    assert open_artifact(builds["int4-g32"])[1].target["weights"]["lm_head_block"] == want
+    assert open_artifact(builds["int4-g32+head-int4"])[1].target["weights"]["lm_head_block"] == 32
 
 
 def test_auto_picks_int4_and_records_its_reason(builds: _Builds) -> None:

@@ -50,6 +50,13 @@ def default_group_sizes(flags: set[str]) -> dict[str, int]:
     return {**DEFAULT_GROUP_SIZE, "int8": INT8_GROUP}
 
 
+def head_block(group: int, bits: int, flags: set[str]) -> int:
+    """The block along K of the lm_head under int4 weights: at 8 bits (the default) the int8 default block where
+    that is wider than the int4 group (MLAS's 8-bit kernel pays per block: bench-1b's 8-bit head at 128 decoded
+    1.07x / 1.10x its head at 32 on AMD EPYC Zen 4, docs/backends/cpu.md), else the group; at 4 bits the group."""
+    return max(group, default_group_sizes(flags)["int8"]) if bits == 8 else group
+
+
 def fitted_block(k: int, group: int) -> int:
     """The block along K for a matrix of K rows under the default group size: the group where it divides K, else the
     widest power of two from group/2 down to 16 (MatMulNBits' least) that does, so no block is padded (a padded
@@ -202,8 +209,11 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
     bits = BITS[weights]
     head_bits = LM_HEAD_MODES[head_mode or "int8"] if bits == 4 else bits
     # (bits, block) per matrix; one quantizer pass per distinct pair, every other matrix left out of it
-    plan = {name: (head_bits if name == head else bits, fitted_block(k, group_size) if fit else group_size)
-            for name, k in _weight_rows(skeleton).items()}
+    rows = _weight_rows(skeleton)
+    plan = {name: (bits, fitted_block(k, group_size) if fit else group_size) for name, k in rows.items()}
+    if head in plan and bits == 4:
+        block = head_block(group_size, head_bits, flags)
+        plan[head] = (head_bits, fitted_block(rows[head], block) if fit or block != group_size else block)
     method: dict[str, Any] = {"method": "rtn"}
     if calibration is not None:  # before the weights are loaded here: its prefill holds them in a session
         from kvexport.backends import cpu_gptq
@@ -244,8 +254,10 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
     onnx.save_model(model, str(model_path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data_name, size_threshold=1024)
     fitted = "".join(f", {n} at block {b}" for b, n in blocks.items() if int(b) != group_size)
-    progress(f"cpu: {nbits} matmuls to MatMulNBits {weights} (group {group_size}{fitted}, lm_head {head_bits}-bit, "
+    head_at = f" at block {plan[head][1]}" if head in plan else ""
+    progress(f"cpu: {nbits} matmuls to MatMulNBits {weights} (group {group_size}{fitted}, lm_head {head_bits}-bit{head_at}, "
              f"{method['method']}, {why}) in {time.perf_counter() - t0:.1f}s")
     return {**method, "symmetric": True, "accuracy_level": level, "accuracy_level_reason": why,
-            "lm_head_bits": head_bits if head is not None else None, "matmulnbits_nodes": nbits,
+            "lm_head_bits": head_bits if head is not None else None,
+            "lm_head_block": plan[head][1] if head in plan else None, "matmulnbits_nodes": nbits,
             "float_matmuls_left": matmuls, "embeddings": embeddings, "blocks": blocks}
