@@ -211,7 +211,7 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
     # (bits, block) per matrix; one quantizer pass per distinct pair, every other matrix left out of it
     rows = _weight_rows(skeleton)
     plan = {name: (bits, fitted_block(k, group_size) if fit else group_size) for name, k in rows.items()}
-    if head in plan and bits == 4:
+    if head in plan and bits == 4:  # a head block this code picked is fitted to K; one the user gave is kept
         block = head_block(group_size, head_bits, flags)
         plan[head] = (head_bits, fitted_block(rows[head], block) if fit or block != group_size else block)
     method: dict[str, Any] = {"method": "rtn"}
