@@ -37,7 +37,65 @@ def test_engine_graph_reads_packed_qkv_and_folds_residual_adds(artifacts: dict[s
     # every norm but the first layer's (it reads the embedding, no residual yet) absorbs its Add
     assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers
     assert ops.count("RMSNormalization") == 1
-    assert ops.count("RotaryEmbedding") == 2 * layers  # RoPE stays outside: see _packed_qkv
+    # RoPE goes into the kernel (fold_rotary): no Split, no RotaryEmbedding, the packed q|k|v read directly
+    assert ops.count("RotaryEmbedding") == 0
+    attn = [n for n in llama.node if n.op_type == "GroupQueryAttention"]
+    assert len(attn) == layers and all(n.input[1] == "" and n.input[9] for n in attn)
+    assert all({a.name: a.i for a in n.attribute}["do_rotary"] == 1 for n in attn)
+    assert mf.read(artifacts["llama"]).target["options"]["rotary_in_attention"] == layers
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox"])  # gpt_neox: partial rotary, kept apart
+def test_rotation_in_the_kernel_keeps_the_irs_cache_under_left_padding(artifacts: dict[str, Path], family: str) -> None:
+    """The engine whose GroupQueryAttention rotates q and k itself, against the IR, on a left-padded batch: a
+    first prompt whose rows start at different positions (run one row at a time), then decode steps; logits
+    and every held cache slot agree, so the keys are held rotated by their positions, as the IR holds them."""
+    import kvexport
+
+    folder = artifacts[family]
+    man = mf.read(folder)
+    assert man.target is not None
+    folded = man.target["options"]["rotary_in_attention"]
+    assert folded == (0 if family == "gpt_neox" else man.config.num_hidden_layers)
+    engine = kvexport.load(str(folder))
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    ir = ort.InferenceSession(str(folder / "model.onnx"), so)
+    rows = [random_ids(7, 1), random_ids(3, 2)]
+    B, S, L, steps = 2, 7, 32, 10
+    pad = np.array([0, 4])
+    ids = np.zeros((B, S), np.int64)
+    for b, r in enumerate(rows):
+        ids[b, pad[b]:] = r
+    i = np.arange(S)
+    valid = np.arange(L)[None] >= pad[:, None]
+    mask = np.zeros((B, 1, S, L), bool)
+    mask[:, 0, :, :S] = (i[None, :] <= i[:, None])[None] & valid[:, None, :S]
+    for b in range(B):
+        mask[b, 0, np.arange(pad[b]), np.arange(pad[b])] = True
+    caches = [np.zeros((B, man.config.num_key_value_heads, L, man.config.head_dim), np.float32) for _ in man.kv_pairs()]
+
+    def run(ids: np.ndarray, pos: np.ndarray, wi: int, mask: np.ndarray) -> np.ndarray:
+        feeds = {"input_ids": ids, "position_ids": pos, "write_index": np.full(B, wi, np.int64), "attention_mask": mask}
+        feeds.update({p: c for (p, _), c in zip(man.kv_pairs(), caches)})
+        out = ir.run(None, feeds)
+        caches[:] = out[1:]
+        return out[0][:, -1]
+
+    want = run(ids, np.maximum(i[None] - pad[:, None], 0), 0, mask)
+    batch = engine.prefill(rows, steps)
+    assert np.abs(batch.logits - want).max() < 1e-4
+    for t in range(S, S + steps):
+        tok = want.argmax(-1)
+        step_mask = np.zeros((B, 1, 1, L), bool)
+        step_mask[:, 0, 0, : t + 1] = valid[:, : t + 1]
+        want = run(tok[:, None], (t - pad)[:, None], t, step_mask)
+        got = engine.decode(batch, tok)
+        assert np.abs(got - want).max() < 1e-4, t
+        held = batch.state.caches  # (B, H_kv, capacity, D) per pair, in the manifest's order
+        for b in range(B):
+            slots = np.flatnonzero(valid[b, : t + 1])
+            assert max(np.abs(x[b][:, slots] - y[b][:, slots]).max() for x, y in zip(caches, held)) < 1e-4, (t, b)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gpt2", "gemma2"])  # gemma2: GQA's softcap; its sliding layers' rings stay

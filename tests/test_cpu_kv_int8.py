@@ -113,12 +113,16 @@ def test_engine_graph_keeps_every_layer_in_int8_with_calibrated_scales(int8_arti
     for n in nodes:
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         assert attrs["kv_cache_bit_width"] == 8 and attrs["k_quant_type"] == attrs["v_quant_type"] == b"PER_CHANNEL"
+        assert attrs["do_rotary"] == 1 and n.input[1] == ""  # RoPE inside the kernel, q|k|v packed (fold_rotary)
         for name in (n.input[K_SCALE_INPUT], n.input[V_SCALE_INPUT]):
             scale = inits[name]
             assert scale.shape == (1, cfg.num_key_value_heads, 1, cfg.head_dim) and (scale > 0).all()
     caches = {i.name: i.type.tensor_type.elem_type for i in model.graph.input if i.name.startswith("past_")}
     assert len(caches) == 2 * cfg.num_hidden_layers and set(caches.values()) == {TensorProto.INT8}
     target = int8_engine.manifest.target
+    assert target["options"]["rotary_in_attention"] == cfg.num_hidden_layers
+    # ... and the many-token branch rotates q and k itself before it stores and attends
+    assert all([n.op_type for n in _branch(b, "then_branch").node].count("RotaryEmbedding") == 2 for b in branches)
     assert precision_key(target) == "fp32+kv-int8"
     kv = target["kv"]
     assert kv["dtype"] == "int8" and kv["bytes_per_token"] * 4 == kv["fp32_bytes_per_token"]
@@ -222,9 +226,11 @@ def test_inspect_counts_the_scales_once_per_engine_not_per_token(int8_artifact: 
     assert "inputs (the IR's; the engine keeps the cache buffers as int8):" in out
 
 
-def _attention_step_model(packed: bool, B: int, H: int, Hk: int, D: int, C: int, scales: np.ndarray) -> onnx.ModelProto:
+def _attention_step_model(packed: bool, B: int, H: int, Hk: int, D: int, C: int, scales: np.ndarray,
+                          rotary: bool = False) -> onnx.ModelProto:
     """One quantized GroupQueryAttention as the engine graph holds it (the IR's step inputs, scales as
-    initializers, seqlens_k / total from write_index and the new tokens), for branch_attention."""
+    initializers, seqlens_k / total from write_index and the new tokens), for branch_attention; `rotary`:
+    the kernel rotates q and k itself over cos/sin tables of C positions (cpu_fusion.fold_rotary)."""
     m = _gqa_model(TensorProto.INT8, B, H, Hk, D, C)
     g = m.graph
     n = g.node[0]
@@ -234,6 +240,13 @@ def _attention_step_model(packed: bool, B: int, H: int, Hk: int, D: int, C: int,
     if packed:
         ins[0] = helper.make_tensor_value_info("q", TensorProto.FLOAT, [B, None, (H + 2 * Hk) * D])
         n.input[1], n.input[2] = "", ""
+    if rotary:
+        angles = np.arange(C)[:, None] / 10000.0 ** (np.arange(D // 2) / (D // 2))
+        g.initializer.extend([numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"),
+                              numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")])
+        n.input[7], n.input[8], n.input[9] = "cos", "sin", "position_ids"
+        n.attribute.append(helper.make_attribute("do_rotary", 1))
+        ins.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, [B, None]))
     del g.input[:]
     g.input.extend([*ins, helper.make_tensor_value_info("input_ids", TensorProto.INT64, [B, None]),
                     helper.make_tensor_value_info("write_index", TensorProto.INT64, [B])])
@@ -248,12 +261,14 @@ def _attention_step_model(packed: bool, B: int, H: int, Hk: int, D: int, C: int,
     return m
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["separate-qkv", "packed-qkv"])
-def test_the_many_token_branch_stores_the_kernels_bytes_and_attends_over_them(packed: bool) -> None:
+@pytest.mark.parametrize(("packed", "rotary"), [(False, False), (True, False), (True, True)],
+                         ids=["separate-qkv", "packed-qkv", "packed-qkv-rotary"])
+def test_the_many_token_branch_stores_the_kernels_bytes_and_attends_over_them(packed: bool, rotary: bool) -> None:
     """branch_attention's fp32 form of a quantized GroupQueryAttention against the kernel itself, in
     place on one int8 cache: a fresh prompt, a piece over that past, then one token (the kernel's own
     branch). The stored bytes are the kernel's exactly, ties included (the kernel multiplies by 1 / scale,
-    which rounds a tie differently from x / scale), and the attention differs by float order only."""
+    which rounds a tie differently from x / scale), and the attention differs by float order only. Where
+    the kernel rotates q and k itself, the form rotates them before it stores and attends."""
     import onnxruntime as ort
 
     from kvexport.backends.cpu_kv import branch_attention
@@ -261,7 +276,7 @@ def test_the_many_token_branch_stores_the_kernels_bytes_and_attends_over_them(pa
     B, H, Hk, D, C = 1, 4, 2, 64, 2048
     rng = np.random.default_rng(5)
     scales = rng.uniform(0.01, 0.05, (2, 1, Hk, 1, D)).astype(np.float32)
-    kernel_model = _attention_step_model(packed, B, H, Hk, D, C, scales)
+    kernel_model = _attention_step_model(packed, B, H, Hk, D, C, scales, rotary)
     sessions = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
                 for m in (kernel_model, branch_attention(kernel_model))]
     assert any(n.op_type == "If" for n in branch_attention(kernel_model).graph.node)
@@ -276,6 +291,8 @@ def test_the_many_token_branch_stores_the_kernels_bytes_and_attends_over_them(pa
         x = kv[0].reshape(B, S, Hk, D).transpose(0, 2, 1, 3)
         ties += int((np.round(x / scales[0]) != np.round(x * (np.float32(1) / scales[0]))).sum())
         feeds = {"input_ids": np.zeros((B, S), np.int64), "write_index": np.full(B, T, np.int64)}
+        if rotary:
+            feeds["position_ids"] = np.arange(T, T + S, dtype=np.int64)[None]
         feeds.update({"q": np.concatenate([q, *kv], axis=-1)} if packed else {"q": q, "k": kv[0], "v": kv[1]})
         outs = []
         for sess, (ck, cv) in zip(sessions, caches):

@@ -138,7 +138,7 @@ class CpuBackend(_Backend):
         import onnx
         import onnxruntime as ort
 
-        from kvexport.backends.cpu_fusion import lower_for_onnxruntime
+        from kvexport.backends.cpu_fusion import fold_rotary, lower_for_onnxruntime
         from kvexport.backends.cpu_kv import build_int8_cache
 
         self.require_available()
@@ -163,6 +163,7 @@ class CpuBackend(_Backend):
         ir = folder / manifest.raw["ir"]["file"]
         model = onnx.load(str(ir), load_external_data=False)  # weights stay in model.onnx.data
         fused = lower_for_onnxruntime(model, manifest.config)
+        fused["rotary_in_attention"] = fold_rotary(model)
         kv = None
         if kv_mode == "int8":
             kv = build_int8_cache(model, folder, manifest, options.calibration_text,
@@ -175,8 +176,9 @@ class CpuBackend(_Backend):
         finally:
             staged.unlink(missing_ok=True)
         moe = f", {fused['fused_moe_layers']} routed layers in ONNX Runtime's MoE kernel" if "fused_moe_layers" in fused else ""
+        rope = f", RoPE inside {fused['rotary_in_attention']} of them" if fused.get("rotary_in_attention") else ""
         progress(f"optimized in {time.perf_counter() - t0:.1f}s ({fused['fused_attention_layers']} attention "
-                 f"layers fused, {fused['fused_skip_norms']} residual adds folded into their RMS norms{moe})")
+                 f"layers fused{rope}, {fused['fused_skip_norms']} residual adds folded into their RMS norms{moe})")
         quant = None
         if precision in CPU_BITS:
             from kvexport.backends.cpu_quant import quantize_engine
@@ -334,6 +336,11 @@ class CpuSession(Session):
         self.scale_bytes = int(kv.get("scale_bytes", 0)) if self.cache_dtype == np.int8 else 0
         if not manifest.raw["ir"]["last_token_only"]:
             raise ArtifactError("the cpu runtime expects an IR exported with last-token-only logits")
+        # GroupQueryAttention rotates q and k itself (cpu_fusion.fold_rotary): a first prompt whose rows start
+        # at different positions (left padding) goes one row at a time. Not under the int8 cache, whose prompts
+        # take its many-token branch, which rotates each token at its own position (cpu_kv._fp32_attention)
+        self.rows_apart = model.name.endswith(OPT_MODEL) and self.cache_dtype != np.int8 and bool(
+            ((manifest.target or {}).get("options") or {}).get("rotary_in_attention"))
 
     def describe(self) -> dict[str, Any]:
         return {"threads": self.threads, "cache_policy": "grow", "device": "cpu",
@@ -403,8 +410,41 @@ class CpuSession(Session):
             # (ONNX Runtime 1.31): after the first piece a batch goes on one token a step
             pieces = [pieces[0], *((t, t + 1) for t in range(pieces[0][1], S))]
         for a, b in pieces:
-            logits = self._step(state, input_ids[:, a:b], position_ids[:, a:b], attention_mask[:, :, a:b, : T + b])
+            if self.rows_apart and b - a > 1 and T + a == 0 and len(set(position_ids[:, b - 1] - (b - 1))) > 1:
+                logits = self._rows_apart(state, input_ids[:, a:b], position_ids[:, a:b], attention_mask[:, :, a:b, :b])
+            else:
+                logits = self._step(state, input_ids[:, a:b], position_ids[:, a:b], attention_mask[:, :, a:b, : T + b])
         return logits
+
+    def _rows_apart(self, state: CpuState, input_ids: np.ndarray, position_ids: np.ndarray,
+                    attention_mask: np.ndarray) -> np.ndarray:
+        """A first prompt whose rows start at different positions, one row a call: each call binds that row's
+        slice of the state's cache buffers and logits (rows are contiguous in C order), as BoundRows does."""
+        B, S = input_ids.shape
+        if min(S, self.max_seq) > state.capacity:
+            self._resize(state, capacity_for(min(S, self.max_seq), self.max_seq))
+        for r in range(B):
+            b = self.sess.io_binding()
+            for (inp, out), buf in zip(self.pairs, state.caches):
+                shape, ptr = (1, *buf.shape[1:]), buf[r].ctypes.data
+                b.bind_input(inp, "cpu", 0, self.cache_dtype, shape, ptr)
+                b.bind_output(out, "cpu", 0, self.cache_dtype, shape, ptr)
+            b.bind_output("logits", "cpu", 0, np.float32, (1, *state.logits.shape[1:]), state.logits[r].ctypes.data)
+            if "attention_mask" in self.input_names:
+                mask = np.zeros((1, 1, S, state.capacity), dtype=np.bool_)
+                mask[..., :S] = attention_mask[r:r + 1]
+                b.bind_cpu_input("attention_mask", mask)
+            if self.ring is not None:
+                b.bind_cpu_input(MASK_INPUT, sliding_mask(attention_mask[r:r + 1], self.ring.length(state.capacity),
+                                                          self.ring.window))
+            b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids[r:r + 1], dtype=np.int64))
+            b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids[r:r + 1], dtype=np.int64))
+            b.bind_cpu_input("write_index", np.zeros(1, dtype=np.int64))
+            t0 = time.perf_counter()
+            self.sess.run_with_iobinding(b)
+            state.run_seconds += time.perf_counter() - t0
+        state.steps += 1
+        return state.logits[:, 0, :]
 
     def _step(self, state: CpuState, input_ids: np.ndarray, position_ids: np.ndarray,
               attention_mask: np.ndarray) -> np.ndarray:

@@ -145,15 +145,94 @@ def _packed_qkv(prod: dict[str, onnx.NodeProto], cons: dict[str, list[onnx.NodeP
                 v: str) -> str | None:
     """The fused projection behind q, k, v when they are a bare Split of it (no RoPE between):
     GroupQueryAttention then reads it packed and the Split goes. Models with RoPE keep the Split and
-    their RotaryEmbedding nodes: GroupQueryAttention's own rotation (do_rotary) takes the decode
-    position from seqlens_k, i.e. the slot, not position_ids, which is wrong for left-padded rows
-    (measured: ONNX Runtime 1.31, tests/test_cpu_fusion.py)."""
+    their RotaryEmbedding nodes here; fold_rotary then hands the rotation to the kernel where the engine
+    keeps an fp32 cache."""
     split = prod.get(q)
     if split is None or split.op_type != "Split" or list(split.output) != [q, k, v]:
         return None
     if int(_attr(split, "axis") or 0) not in (-1, 2) or any(len(cons.get(x, [])) != 1 for x in (q, k, v)):
         return None
     return split.input[0]
+
+
+def fold_rotary(model: onnx.ModelProto) -> int:
+    """Give each fused layer's RoPE to GroupQueryAttention (`do_rotary`) where its q and k are a Split of the
+    packed projection followed by one RotaryEmbedding each: the Split and both RotaryEmbedding nodes go, the
+    kernel reads the packed q|k|v. Returns how many layers were folded (0: untouched).
+
+    The kernel takes positions from its position_ids input, per row and token, in every call but a first
+    prompt (no past), where it takes every row's positions as position_ids[0, 0] + i (measured, ONNX Runtime
+    1.31.1). So the positions it is given are each row's last position counted back (a left-padded row's
+    real tokens then sit at their own positions, its pad slots below zero), offset by the table's length,
+    and the cos/sin tables are preceded by as many rows of an identity rotation (cos 1, sin 0): a pad slot
+    stays finite and masked. Rows whose starts differ in one first prompt still disagree with that rule:
+    the session runs such a call one row at a time (CpuSession.step). Keys enter the cache rotated by
+    their positions, exactly as the IR's. Within a row the runtime's positions are consecutive (a prompt, a
+    chunk, one token), which the count back assumes."""
+    g = model.graph
+    prod, cons = _producers(g), _consumers(g)
+    inits = {t.name: t for t in g.initializer}
+    plans = []
+    for n in g.node:
+        if n.op_type != "GroupQueryAttention" or n.domain != "com.microsoft" or not n.input[1]:
+            continue
+        rq, rk, split = prod.get(n.input[0]), prod.get(n.input[1]), prod.get(n.input[2])
+        if rq is None or rk is None or split is None or split.op_type != "Split":
+            continue
+        if any(r.op_type != "RotaryEmbedding" or r.domain != "" or len(r.input) != 4 for r in (rq, rk)):
+            continue
+        if list(split.output) != [rq.input[0], rk.input[0], n.input[2]] or int(_attr(split, "axis") or 0) not in (-1, 2):
+            continue
+        if any(len(cons.get(x, [])) != 1 for x in split.output) or any(len(cons.get(r.output[0], [])) != 1 for r in (rq, rk)):
+            continue
+        if list(rq.input[1:]) != list(rk.input[1:]) or rq.input[3] != "position_ids" or rq.input[1] not in inits:
+            continue
+        if any(int(_attr(r, "interleaved") or 0) or int(_attr(r, "rotary_embedding_dim") or 0) for r in (rq, rk)):
+            continue  # rotate-half over the whole head only: the kernel's interleaved and partial forms are untested here
+        if int(inits[rq.input[1]].dims[1]) % 8:
+            continue  # the kernel asks for a table width that is a multiple of 8 (head_dim a multiple of 16)
+        plans.append((n, rq, rk, split))
+    if not plans:
+        return 0
+    pre = [helper.make_node("Shape", ["input_ids"], ["kvx_rope/seq"], start=1, end=2),
+           helper.make_node("Sub", ["kvx_rope/seq", "kvx_rope/one"], ["kvx_rope/back"]),
+           helper.make_node("Slice", ["position_ids", "kvx_rope/minus1", "kvx_rope/end", "kvx_rope/axis1"], ["kvx_rope/last"]),
+           helper.make_node("Sub", ["kvx_rope/last", "kvx_rope/back"], ["kvx_rope/first"]),  # (B, 1)
+           helper.make_node("Squeeze", ["kvx_rope/seq"], ["kvx_rope/seq0"]),
+           helper.make_node("Range", ["kvx_rope/zero", "kvx_rope/seq0", "kvx_rope/step"], ["kvx_rope/range"]),
+           helper.make_node("Add", ["kvx_rope/first", "kvx_rope/range"], ["kvx_rope/from0"])]  # (B, S)
+    g.initializer.extend([helper.make_tensor("kvx_rope/one", TensorProto.INT64, [1], [1]),
+                          helper.make_tensor("kvx_rope/minus1", TensorProto.INT64, [1], [-1]),
+                          helper.make_tensor("kvx_rope/end", TensorProto.INT64, [1], [2**62]),
+                          helper.make_tensor("kvx_rope/axis1", TensorProto.INT64, [1], [1]),
+                          helper.make_tensor("kvx_rope/zero", TensorProto.INT64, [], [0]),
+                          helper.make_tensor("kvx_rope/step", TensorProto.INT64, [], [1])])
+    tables: dict[tuple[str, str], tuple[str, str, str]] = {}  # (cos, sin) -> (shifted cos, shifted sin, positions)
+    replace: dict[int, list[onnx.NodeProto]] = {}
+    dead: set[int] = set()
+    for n, rq, rk, split in plans:
+        key = (rq.input[1], rq.input[2])
+        if key not in tables:
+            rows, half = (int(d) for d in inits[key[0]].dims)
+            t = f"kvx_rope/t{len(tables)}"
+            g.initializer.extend([numpy_helper.from_array(np.ones((rows, half), np.float32), f"{t}/pad_cos"),
+                                  numpy_helper.from_array(np.zeros((rows, half), np.float32), f"{t}/pad_sin"),
+                                  helper.make_tensor(f"{t}/offset", TensorProto.INT64, [], [rows])])
+            pre += [helper.make_node("Concat", [f"{t}/pad_cos", key[0]], [f"{t}/cos"], axis=0),
+                    helper.make_node("Concat", [f"{t}/pad_sin", key[1]], [f"{t}/sin"], axis=0),
+                    helper.make_node("Add", ["kvx_rope/from0", f"{t}/offset"], [f"{t}/positions"])]
+            tables[key] = (f"{t}/cos", f"{t}/sin", f"{t}/positions")
+        cos, sin, positions = tables[key]
+        ins = list(n.input) + [""] * (11 - len(n.input))
+        ins[0:3], ins[7:10] = [split.input[0], "", ""], [cos, sin, positions]
+        gqa = helper.make_node("GroupQueryAttention", ins, list(n.output), name=n.name, domain="com.microsoft")
+        gqa.attribute.extend(a for a in n.attribute if a.name not in ("do_rotary", "rotary_interleaved"))
+        gqa.attribute.extend([helper.make_attribute("do_rotary", 1), helper.make_attribute("rotary_interleaved", 0)])
+        replace[id(n)] = [gqa]
+        dead.update({id(rq), id(rk), id(split)})
+    _splice(model, replace, dead, prepend=pre)
+    _drop_dead(g)
+    return len(plans)
 
 
 def fuse_skip_rms_norm(model: onnx.ModelProto) -> int:

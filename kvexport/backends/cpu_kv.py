@@ -215,6 +215,13 @@ def _fp32_attention(n: onnx.NodeProto, g: onnx.GraphProto, outputs: list[str]) -
         g.initializer.append(helper.make_tensor(f"{scope}/sizes", TensorProto.INT64, [3],
                                                 [int(attrs["num_heads"]) * head_dim, width, width]))
         made.append(helper.make_node("Split", [n.input[0], f"{scope}/sizes"], [q, k, v], axis=2))
+    rotary = int(attrs.get("do_rotary", 0))
+    if rotary:  # the kernel rotates q and k itself (cpu_fusion.fold_rotary): the form rotates them first, per
+        # token (the kernel's tables and positions), so the rows it stores and attends over are the rotated ones
+        for x, heads in ((q, "num_heads"), (k, "kv_num_heads")):
+            made.append(helper.make_node("RotaryEmbedding", [x, *n.input[7:10]], [f"{x}/rotated"],
+                                         num_heads=int(attrs[heads]), interleaved=int(attrs.get("rotary_interleaved", 0))))
+        q, k = f"{q}/rotated", f"{k}/rotated"
     for x_in, past, present, scale, x in ((k, n.input[3], outputs[1], n.input[K_SCALE_INPUT], f"{scope}/key"),
                                           (v, n.input[4], outputs[2], n.input[V_SCALE_INPUT], f"{scope}/value")):
         made += [  # the new rows (B, S, H_kv D) -> (B, H_kv, S, D) -> int8, stored as the kernel stores them
@@ -237,11 +244,13 @@ def _fp32_attention(n: onnx.NodeProto, g: onnx.GraphProto, outputs: list[str]) -
             helper.make_node("Mul", [f"{x}/past_i", scale], [f"{x}/past"])]
     inputs = [q, f"{scope}/key/new", f"{scope}/value/new", f"{scope}/key/past", f"{scope}/value/past",
               *n.input[5:V_SCALE_INPUT - 1]]
+    if rotary:
+        inputs[7:10] = ["", "", ""]  # rotated above
     while inputs[-1] == "":
         inputs.pop()
     gqa = helper.make_node("GroupQueryAttention", inputs, [outputs[0], f"{scope}/key/unused", f"{scope}/value/unused"],
                            name=f"{scope}/GroupQueryAttention_fp32", domain="com.microsoft")
-    gqa.attribute.extend(a for a in n.attribute if a.name not in QUANT_ATTRS)
+    gqa.attribute.extend(a for a in n.attribute if a.name not in (*QUANT_ATTRS, "do_rotary", "rotary_interleaved"))
     return [*made, gqa]
 
 
