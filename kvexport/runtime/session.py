@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -53,6 +54,12 @@ class Session(ABC):
         """This backend's own cache rows for continuous batching (a kvexport.runtime.rows.Rows that
         decodes every row in one call), or None where it has none for this engine: the scheduler
         then steps one Session state per row."""
+        return None
+
+    def lossy_cache_cost(self, progress: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+        """What a lossy KV cache costs against the same engine with a lossless one (logit agreement), where the
+        backend can compile that twin (the intel target); None otherwise. verify reports it; `progress` hears
+        of the work before it starts."""
         return None
 
     def long_prompt_path(self, min_tokens: int) -> AbstractContextManager[dict[str, Any]] | None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -98,9 +98,26 @@ class IntelSession(Session):
         self._paged: tuple[Any, str | None] | None = None  # (compiled paged model or None, why not)
         self.state_names: list[str] = []  # the K/V variables, layer after layer, key then value (open_session)
         self.paged_prefill_min = PAGED_PREFILL_MIN  # the load option paged_prefill_min: a fresh prompt this long is paged
+        # set by open_session: the same engine compiled at f32 activations with a given cache precision
+        self.cache_twin: Callable[[str], IntelSession] | None = None
 
     def describe(self) -> dict[str, Any]:
         return {"cache_policy": "internal", "device": "cpu (OpenVINO)", **self.facts}
+
+    def lossy_cache_cost(self, progress: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+        """What this engine's lossy cache (u8, f16) costs against the same engine with an f32 cache: both compiled
+        at f32 activations from the engine file, one after the other, and run on one teacher-forced greedy
+        prompt (kvcost.kv_precision_cost). None where the cache is lossless (f32, or bf16 under bf16)."""
+        kv = self.facts.get("kv_precision")
+        if kv in ("f32", "bf16") or self.cache_twin is None:
+            return None
+        from kvexport_intel.kvcost import kv_precision_cost
+
+        if progress is not None:
+            progress(f"verify: what the {kv} cache costs against an f32 one (the engine compiled twice at f32, in turn)")
+
+        twin = self.cache_twin
+        return kv_precision_cost(lambda: twin("f32"), lambda: twin(str(kv)))
 
     def long_prompt_path(self, min_tokens: int) -> AbstractContextManager[dict[str, Any]] | None:
         if self.ring is not None or not self.state_names:

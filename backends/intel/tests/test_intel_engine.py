@@ -199,16 +199,25 @@ def test_bf16_artifact_runs_bf16_or_falls_back_with_a_warning(intel_artifacts: d
         assert engine.generate(prompt_ids(5), max_new_tokens=4).token_ids  # and it runs
 
 
-def test_build_with_a_lossy_kv_cache_records_what_it_costs(intel_artifacts: dict, tmp_path: Path) -> None:
-    from kvexport.artifact import open_artifact
+def test_a_lossy_kv_cache_is_costed_by_the_session_not_the_build(intel_artifacts: dict, tmp_path: Path) -> None:
+    """The build records no cost (it would compile the engine at f32 beside the decoder's weights); the loaded
+    session measures it against its f32-cache twin, which verify reports; a lossless cache has none."""
+    from kvexport.artifact import finish, open_artifact
     from kvexport.backends import BuildOptions
     from kvexport_intel import IntelBackend
 
     _, art = intel_artifacts["llama"]
     folder, manifest = open_artifact(shutil.copytree(art, tmp_path / "u8.kvx"))
-    IntelBackend().build(folder, manifest, BuildOptions(extra={"kv_precision": "u8"}), lambda _m: None)
-    cost = manifest.raw["target"]["options"]["kv_precision_cost"]
-    print(f"build-time u8 KV cost: {cost}")
-    assert cost["kv_precision"] == "u8" and "not measured" in cost["memory"]
-    assert 0 < cost["max_abs_logit"] and cost["greedy_agreement"] >= 0.9
+    said: list[str] = []
+    IntelBackend().build(folder, manifest, BuildOptions(extra={"kv_precision": "u8"}), said.append)
     assert manifest.raw["target"]["options"]["kv_precision"] == "u8"
+    assert "kv_precision_cost" not in manifest.raw["target"]["options"]
+    assert any("measured by verify" in m for m in said)
+    finish(folder, manifest)
+    heard: list[str] = []
+    cost = kvexport.load(str(folder)).session.lossy_cache_cost(heard.append)
+    print(f"u8 KV cost against the f32 cache: {cost}")
+    assert cost is not None and cost["kv_precision"] == "u8" and "not measured" in cost["memory"]
+    assert 0 < cost["max_abs_logit"] and cost["greedy_agreement"] >= 0.9
+    assert heard and "u8" in heard[0]
+    assert kvexport.load(str(art), precision="fp32").session.lossy_cache_cost() is None  # f32 cache: nothing lost
