@@ -162,3 +162,17 @@ def test_concat_style_is_left_alone(checkpoints: dict[str, Path], workdir: Path)
     before = [n.op_type for n in model.graph.node]
     assert fuse_group_query_attention(model) == 0
     assert [n.op_type for n in model.graph.node] == before
+
+
+def test_left_padded_batch_with_rings_and_rotation_in_the_kernel_equals_its_rows_alone(artifacts: dict[str, Path]) -> None:
+    """gemma2: full layers rotate in GroupQueryAttention, sliding ones keep their rings; a batch of prompts of
+    different lengths (its first piece run one row at a time, the window's pieces after it) against each alone."""
+    import kvexport
+
+    e = kvexport.load(str(artifacts["gemma2"]))
+    assert e.manifest.target is not None and e.manifest.target["options"]["rotary_in_attention"] > 0
+    assert RingSpec.of(e.manifest) is not None
+    prompts = [random_ids(n, seed=n) for n in (5, 30, 57)]
+    together = e.generate(prompts, 24, stop=())
+    alone = [e.generate(p, 24, stop=()) for p in prompts]
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
