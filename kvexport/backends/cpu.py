@@ -430,37 +430,30 @@ class CpuSession(Session):
                 b.bind_input(inp, "cpu", 0, self.cache_dtype, shape, ptr)
                 b.bind_output(out, "cpu", 0, self.cache_dtype, shape, ptr)
             b.bind_output("logits", "cpu", 0, np.float32, (1, *state.logits.shape[1:]), state.logits[r].ctypes.data)
-            if "attention_mask" in self.input_names:
-                mask = np.zeros((1, 1, S, state.capacity), dtype=np.bool_)
-                mask[..., :S] = attention_mask[r:r + 1]
-                b.bind_cpu_input("attention_mask", mask)
-            if self.ring is not None:
-                b.bind_cpu_input(MASK_INPUT, sliding_mask(attention_mask[r:r + 1], self.ring.length(state.capacity),
-                                                          self.ring.window))
-            b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids[r:r + 1], dtype=np.int64))
-            b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids[r:r + 1], dtype=np.int64))
-            b.bind_cpu_input("write_index", np.zeros(1, dtype=np.int64))
-            t0 = time.perf_counter()
-            self.sess.run_with_iobinding(b)
-            state.run_seconds += time.perf_counter() - t0
+            self._run(b, state, input_ids[r:r + 1], position_ids[r:r + 1], attention_mask[r:r + 1])
         state.steps += 1
         return state.logits[:, 0, :]
 
     def _step(self, state: CpuState, input_ids: np.ndarray, position_ids: np.ndarray,
               attention_mask: np.ndarray) -> np.ndarray:
-        B, S = input_ids.shape
         total = attention_mask.shape[-1]
         if min(total, self.max_seq) > state.capacity:
             self._resize(state, capacity_for(min(total, self.max_seq), self.max_seq))
-        b = state.binding
+        one = input_ids.shape[1] == 1  # a decode step fills the state's own mask buffer, reused every step
+        self._run(state.binding, state, input_ids, position_ids, attention_mask, state.mask if one else None)
+        state.steps += 1
+        return state.logits[:, 0, :]
+
+    def _run(self, b: Any, state: CpuState, input_ids: np.ndarray, position_ids: np.ndarray,
+             attention_mask: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Bind one call's inputs on `b` (its caches and logits already bound) and run it: the mask padded to the
+        state's capacity (into `mask` where given), the rings' band, ids, positions, write_index."""
+        B, S = input_ids.shape
+        total = attention_mask.shape[-1]
         if "attention_mask" in self.input_names:  # absent where every layer is a ring
-            if S == 1:
-                mask = state.mask
-                assert mask is not None
-                mask[..., :total] = attention_mask
-            else:
+            if mask is None:
                 mask = np.zeros((B, 1, S, state.capacity), dtype=np.bool_)
-                mask[..., :total] = attention_mask
+            mask[..., :total] = attention_mask
             b.bind_cpu_input("attention_mask", mask)
         if self.ring is not None:
             b.bind_cpu_input(MASK_INPUT, sliding_mask(attention_mask, self.ring.length(state.capacity), self.ring.window))
@@ -470,5 +463,3 @@ class CpuSession(Session):
         t0 = time.perf_counter()
         self.sess.run_with_iobinding(b)
         state.run_seconds += time.perf_counter() - t0
-        state.steps += 1
-        return state.logits[:, 0, :]

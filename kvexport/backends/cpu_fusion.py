@@ -145,8 +145,7 @@ def _packed_qkv(prod: dict[str, onnx.NodeProto], cons: dict[str, list[onnx.NodeP
                 v: str) -> str | None:
     """The fused projection behind q, k, v when they are a bare Split of it (no RoPE between):
     GroupQueryAttention then reads it packed and the Split goes. Models with RoPE keep the Split and
-    their RotaryEmbedding nodes here; fold_rotary then hands the rotation to the kernel where the engine
-    keeps an fp32 cache."""
+    their RotaryEmbedding nodes here; fold_rotary then hands the rotation to the kernel."""
     split = prod.get(q)
     if split is None or split.op_type != "Split" or list(split.output) != [q, k, v]:
         return None

@@ -14,7 +14,7 @@ from kvexport.errors import ArtifactError, InputError, KvexportError
 from kvexport.manifest import Manifest
 from kvexport.runtime.ring import RingSpec
 from kvexport_intel import compress, isa, numa
-from kvexport_intel.session import KV_ITEM_BYTES, IntelSession
+from kvexport_intel.session import KV_ITEM_BYTES, LOSSLESS_KV, IntelSession
 
 ENGINE_DIR = "engine"
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16"}
@@ -200,7 +200,6 @@ class IntelBackend(Backend):
         ov.save_model(model, str(engine / lowering.XML), compress_to_fp16=False)
         progress(f"intel: wrote {ENGINE_DIR}/{lowering.XML} in {time.perf_counter() - t0:.1f}s; checking the fused path")
         held = held_kv(precision, kv, ring)
-        lossless = kv in ("f32", "bf16")
         # the weights as inputs: the plugin's transformations without its packed copy of every weight
         compiled = ov.Core().compile_model(lowering.weights_as_inputs(engine / lowering.XML), "CPU",
                                            _compile_config(precision, held, 0, True, plan is not None))
@@ -225,7 +224,7 @@ class IntelBackend(Backend):
                                                   else " (pass --precision fp32 for exact f32 numerics)"))
         if held != kv:
             progress(f"intel: the cache holds bf16: {BF16_HELD}")
-        if not lossless:
+        if kv not in LOSSLESS_KV:
             progress(f"intel: what the {kv} cache costs against an f32 one is measured by verify (it compiles the "
                      "engine twice at f32, which a build beside the decoder's weights would not fit in twice their bytes)")
         manifest.raw["target"] = {

@@ -46,7 +46,7 @@ def kv_precision_cost(reference: Callable[[], IntelSession], lossy: Callable[[],
     session = lossy()
     _, got = _greedy_logits(session, prompt, tokens, steps)
     return {"kv_precision": session.facts["kv_precision"], "prompt_len": prompt_len, "steps": steps,
-            "memory": "not measured at build (OpenVINO reports its state in f32 whatever it stores)",
+            "memory": "not measured here (OpenVINO reports its state in f32 whatever it stores)",
             **compare(ref, got)}
 
 

@@ -21,6 +21,8 @@ from kvexport.runtime.session import Session
 MASKED = np.float32(-1e30)
 # Bytes per cached element by cache precision (the storage layout; OpenVINO does not report it).
 KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
+# caches that lose nothing: f32, and bf16, which is held only under bf16 activations
+LOSSLESS_KV = ("f32", "bf16")
 # A fresh batch-1 prompt of at least this many tokens is prefilled through the engine's paged-attention form
 # (kvexport_intel.paged), compiled with the engine's own cache precision, and the request keeps decoding paged over
 # its blocks (below). The fused node's multi-token kernel scores the
@@ -109,7 +111,7 @@ class IntelSession(Session):
         at f32 activations from the engine file, one after the other, and run on one teacher-forced greedy
         prompt (kvcost.kv_precision_cost). None where the cache is lossless (f32, or bf16 under bf16)."""
         kv = self.facts.get("kv_precision")
-        if kv in ("f32", "bf16") or self.cache_twin is None:
+        if kv in LOSSLESS_KV or self.cache_twin is None:
             return None
         from kvexport_intel.kvcost import kv_precision_cost
 
