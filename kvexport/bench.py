@@ -61,8 +61,9 @@ class BandwidthProbe:
 
 
 def linear_shapes(cfg: DecoderConfig) -> list[tuple[int, int]]:
-    """(K, N) of every weight matrix one decode step reads, as the cpu engine multiplies them
-    (q|k|v packed, gate|up packed), then the lm_head. The embedding tables are gathered, not read."""
+    """(K, N) of every weight matrix one decode step reads, as the cpu fp32 engine multiplies them
+    (q|k|v packed, gate|up packed), then the lm_head. The embedding tables are gathered, not read. (A quantized
+    cpu engine cuts gate|up in two; its floor reads its own graph's matrices: onnx_gemvs.)"""
     h = cfg.hidden_size
     mlp_in = (2 if cfg.mlp_kind == "gated" else 1) * cfg.intermediate_size
     attn = [(h, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, h)]

@@ -17,7 +17,8 @@ import kvexport
 from kvexport.artifact import export_artifact, finish, open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.backends.cpu import ENGINE_DIR, OPT_MODEL, CpuBackend, CpuSession
-from kvexport.backends.cpu_quant import INT8_DOT_FLAGS, accuracy_level, default_group_sizes, fitted_block, head_block
+from kvexport.backends.cpu_quant import (INT8_DOT_FLAGS, _quantize, accuracy_level, default_group_sizes, fitted_block,
+                                         head_block, unpack_split_matmuls)
 from kvexport.doctor import read_cpu_flags
 from kvexport.precision import record, resolve
 from kvexport.runtime.engine import Engine
@@ -91,7 +92,9 @@ def test_each_weight_mode_builds_and_verifies_against_its_row(mode: str, builds:
     assert precision_key(t) == mode and t["kv"]["dtype"] == "fp32"
     graph = onnx.load(str(art / ENGINE_DIR / OPT_MODEL), load_external_data=False)
     ops = [n.op_type for n in graph.graph.node]
-    assert "MatMul" not in ops and ops.count("MatMulNBits") == 4 * 4 + 1  # 4 per layer and the lm_head
+    # 5 per layer (q|k|v, o, gate, up, down: the packed gate|up cut at its Split) and the lm_head
+    assert "MatMul" not in ops and ops.count("MatMulNBits") == 5 * 4 + 1 and "Split" not in ops
+    assert t["weights"]["split_matmuls_unpacked"] == 4
     bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.graph.node
             if n.op_type == "MatMulNBits"}
     head = [b for name, b in bits.items() if name.startswith("lm_head")]
@@ -259,3 +262,43 @@ def test_another_onnxruntime_refuses_a_quantized_engine_instead_of_running_the_f
     manifest_file.write_text(json.dumps(raw))
     with pytest.raises(ArtifactError, match="weights int8 .*onnxruntime 0.0.1.*Rebuild"):
         kvexport.load(str(folder))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_packed_matmul_is_cut_at_its_split_with_the_same_outputs(bits: int) -> None:
+    """unpack_split_matmuls: a MatMulNBits read only by a Split of its last axis becomes one MatMulNBits per piece
+    (given sizes or equal parts), each piece's outputs the packed node's exactly; a matmul read by more than a Split,
+    or split along another axis, stays packed."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    k = 64
+    weights = {f"w{i}": rng.standard_normal((k, n)).astype(np.float32) for i, n in enumerate((96, 96, 64, 64))}
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"], name=f"mm{i}") for i in range(4)]
+    nodes += [helper.make_node("Split", ["m0", "sizes"], ["gate", "up"], axis=-1),  # sizes given: cut
+              helper.make_node("Split", ["m1"], ["a", "b", "c"], axis=2, num_outputs=3),  # equal parts: cut
+              helper.make_node("Split", ["m2"], ["r0", "r1"], axis=1, num_outputs=2),  # tokens, not N: kept
+              helper.make_node("Split", ["m3"], ["s0", "s1"], axis=-1, num_outputs=2),
+              helper.make_node("Relu", ["m3"], ["also"])]  # read twice: kept
+    outs = ["gate", "up", "a", "b", "c", "r0", "r1", "s0", "s1", "also"]
+    graph = helper.make_graph(nodes, "packed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, k])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
+                              [numpy_helper.from_array(w, n) for n, w in weights.items()]
+                              + [numpy_helper.from_array(np.array([48, 48], np.int64), "sizes")])
+    model = _quantize(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), bits, 32,
+                      accuracy_level(read_cpu_flags())[0])
+    x = rng.standard_normal((1, 4, k)).astype(np.float32)
+
+    def run() -> list[np.ndarray]:
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(outs, {"x": x})
+
+    packed = run()
+    assert unpack_split_matmuls(model) == 2
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMulNBits") == 2 + 3 + 2 and ops.count("Split") == 2
+    assert sorted(helper.get_attribute_value(a) for n in model.graph.node if n.op_type == "MatMulNBits"
+                  for a in n.attribute if a.name == "N") == [32, 32, 32, 48, 48, 64, 64]
+    assert not any(t.name.startswith(("mm0", "mm1")) or t.name in ("w0", "w1") for t in model.graph.initializer)
+    for o, a, b in zip(outs, packed, run()):
+        assert np.array_equal(a, b), o

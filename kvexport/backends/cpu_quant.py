@@ -155,6 +155,83 @@ def _weight_rows(model: onnx.ModelProto) -> dict[str, int]:
             if n.op_type == "MatMul" and len(dims.get(n.input[1], ())) == 2}
 
 
+def unpack_split_matmuls(model: onnx.ModelProto) -> int:
+    """Cut every MatMulNBits whose one reader is a Split along its output's last axis (the IR's packed gate|up) into
+    one MatMulNBits per piece, each over its own rows of N (blocks, scales, zero points and bias sliced; the same
+    bytes, the same kernel), and drop the Split: onnxruntime-genai's graph keeps gate and up apart, and on bench-1b
+    int4 the Split and the strided reads after it cost ~1.5% of a decode step (docs/backends/cpu.md). Returns
+    how many were cut."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    cut, dead, replaced = {}, set(), set()
+    for node in g.node:
+        if node.op_type != "MatMulNBits" or len(readers.get(node.output[0], [])) != 1:
+            continue
+        split = readers[node.output[0]][0]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        n_rows = int(attrs["N"])
+        ins = list(node.input) + [""] * (6 - len(node.input))  # A, B, scales, zero_points, g_idx, bias
+        if split.op_type != "Split" or ins[4] or any(x and x not in inits for x in ins[1:4] + ins[5:6]):
+            continue
+        if {a.name: helper.get_attribute_value(a) for a in split.attribute}.get("axis", 0) not in (-1, 2):
+            continue  # MatMulNBits' output is (B, S, N): only a split of N is a split of the weight's rows
+        if len(split.input) > 1 and split.input[1]:
+            if split.input[1] not in inits:
+                continue
+            sizes = [int(x) for x in numpy_helper.to_array(inits[split.input[1]])]
+        elif n_rows % len(split.output) == 0:
+            sizes = [n_rows // len(split.output)] * len(split.output)
+        else:
+            continue
+        if sum(sizes) != n_rows:
+            continue
+        start = 0
+        pieces = []
+        arrays = {name: numpy_helper.to_array(inits[name]) for name in ins[1:] if name}
+        for out, size in zip(split.output, sizes):
+            piece_ins = [ins[0]]
+            for name in ins[1:]:
+                if not name:
+                    piece_ins.append("")
+                    continue
+                whole = arrays[name]
+                rows = whole.reshape(n_rows, -1)[start:start + size]
+                part = rows.reshape((size, *whole.shape[1:]) if whole.ndim > 1 else (-1,))
+                new = f"{name}_rows{start}"
+                g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(part), new))
+                piece_ins.append(new)
+            while piece_ins and not piece_ins[-1]:
+                piece_ins.pop()
+            piece = helper.make_node("MatMulNBits", piece_ins, [out], name=f"{node.name}_rows{start}",
+                                     domain=node.domain)
+            piece.attribute.extend(a for a in node.attribute if a.name != "N")
+            piece.attribute.append(helper.make_attribute("N", size))
+            pieces.append(piece)
+            start += size
+        cut[id(node)] = pieces
+        dead.add(id(split))
+        replaced.update(x for x in ins[1:] if x)
+    if not cut:
+        return 0
+    nodes = []
+    for n in g.node:
+        if id(n) not in dead:
+            nodes += cut.get(id(n), [n])
+    del g.node[:]
+    g.node.extend(nodes)
+    used = {i for n in g.node for i in n.input}
+    for i in reversed(range(len(g.initializer))):  # in place: a copy of the repeated field is every weight again
+        if g.initializer[i].name in replaced and g.initializer[i].name not in used:
+            del g.initializer[i]
+    return len(cut)
+
+
 class WeightsOnDisk(Mapping[str, np.ndarray]):
     """The fp32 weight (input 1) of each MatMul node in `nodes` of the graph stored at model_path, read from
     its external data file each time one is asked for (one matrix in RAM at a time beside the loaded model,
@@ -233,6 +310,7 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
             del originals, seen
     finally:
         quiet.setLevel(before)
+    unpacked = unpack_split_matmuls(model)
     embeddings = ("fp32 Gather (untied: it reads one row a token, no speed to gain)" if tied is None else
                   "fp32 Gather (tied, but the lm_head is no MatMulNBits of the table's shape)")
     quantized_head = lm_head(model, op_type="MatMulNBits")
@@ -255,9 +333,10 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
                     location=data_name, size_threshold=1024)
     fitted = "".join(f", {n} at block {b}" for b, n in blocks.items() if int(b) != group_size)
     head_at = f" at block {plan[head][1]}" if head in plan else ""
+    apart = f", {unpacked} packed matmuls (gate|up) cut at their Split" if unpacked else ""
     progress(f"cpu: {nbits} matmuls to MatMulNBits {weights} (group {group_size}{fitted}, lm_head {head_bits}-bit{head_at}, "
-             f"{method['method']}, {why}) in {time.perf_counter() - t0:.1f}s")
+             f"{method['method']}, {why}{apart}) in {time.perf_counter() - t0:.1f}s")
     return {**method, "symmetric": True, "accuracy_level": level, "accuracy_level_reason": why,
             "lm_head_bits": head_bits if head is not None else None,
             "lm_head_block": plan[head][1] if head in plan else None, "matmulnbits_nodes": nbits,
-            "float_matmuls_left": matmuls, "embeddings": embeddings, "blocks": blocks}
+            "float_matmuls_left": matmuls, "embeddings": embeddings, "blocks": blocks, "split_matmuls_unpacked": unpacked}
