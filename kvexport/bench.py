@@ -15,6 +15,7 @@ import numpy as np
 from kvexport.config import DecoderConfig
 from kvexport.precision import kv_of
 from kvexport.runtime.engine import Engine
+from kvexport.runtime.hugepages import Placement
 
 Progress = Callable[[str], None]
 
@@ -168,12 +169,12 @@ class GemvFloor:
     says what the memory could give; this says what the matrix kernels on this machine do give.
     The weights go through an external-data file so no 2 GB protobuf is built in memory."""
 
-    def __init__(self, cfg: DecoderConfig | None, threads: int, seed: int = 0, gemvs: list[Gemv] | None = None):
+    def __init__(self, cfg: DecoderConfig | None, threads: int, seed: int = 0, gemvs: list[Gemv] | None = None,
+                 huge_pages: bool = True):
         import onnx
-        import onnxruntime as ort
         from onnx import TensorProto, helper
 
-        from kvexport.backends.cpu import session_options
+        from kvexport.backends.cpu import open_ort_session
 
         if gemvs is None:
             assert cfg is not None, "GemvFloor needs a config or its matrices"
@@ -222,9 +223,10 @@ class GemvFloor:
             model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                             helper.make_opsetid("com.microsoft", 1)], ir_version=10)
             onnx.save_model(model, str(Path(tmp) / "floor.onnx"))
-            # ONNX Runtime pre-packs each weight into memory of its own while the session is made
-            self.sess = ort.InferenceSession(str(Path(tmp) / "floor.onnx"), session_options(threads),
-                                             providers=["CPUExecutionProvider"])
+            # ONNX Runtime pre-packs each weight into memory of its own while the session is made; that memory
+            # is placed as the cpu engine's is (huge pages where the system allows), or the floor would not be
+            # the same matrices read the same way
+            self.sess, self.huge_pages = open_ort_session(Path(tmp) / "floor.onnx", threads, huge_pages)
         self.binding = self.sess.io_binding()
         self._buffers = [rng.standard_normal((1, k), dtype=np.float32) for k in ks]
         for k, x in zip(ks, self._buffers):
@@ -392,12 +394,18 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     floors: dict[str, GemvFloor] = {}  # one per kind of weights among the engines, by label
     floor_of: dict[str, str] = {}
     if floor:
-        for key, _ in timed:
+        for key, e in timed:
             label = floor_label(gemvs[key])
             if label not in floors:
                 say(f"preparing the {label} GEMV floor (the step's weight matrices alone, in ONNX Runtime)")
-                floors[label] = GemvFloor(None, threads, gemvs=gemvs[key])
+                placed = getattr(getattr(e, "session", None), "huge_pages", None)
+                floors[label] = GemvFloor(None, threads, gemvs=gemvs[key],
+                                          huge_pages=placed.asked if isinstance(placed, Placement) else True)
             floor_of[key] = label
+    # where each engine's and floor's repacked weights lie (kvexport.runtime.hugepages): both read alike, or say so
+    report["huge_pages"] = {key: e.session.huge_pages.record() for key, e in timed
+                            if isinstance(getattr(getattr(e, "session", None), "huge_pages", None), Placement)}
+    report["huge_pages"].update({f"{label} floor": f.huge_pages.record() for label, f in floors.items()})
     hf = HFBaseline(reference, threads) if baselines and reference is not None else None
     engine_rss = 0.0
     for p in prompt_lens:
@@ -488,6 +496,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"kvexport bench: {r['artifact']} ({r['backend']}, {r['threads']} threads, max_seq {r['max_seq']}, "
              f"{r['new_tokens']} new tokens, greedy, best of {r['rounds']} interleaved rounds)",
              f"read bandwidth (best seen in this run): {r['read_bandwidth_gbs']:.1f} GB/s"]
+    if r.get("huge_pages"):
+        lines.append("huge pages: " + "; ".join(f"{k}: {v['detail']}" for k, v in r["huge_pages"].items()))
     for p, row in r["prompts"].items():
         e = row["engine"]
         lines.append(f"prompt {p}:")

@@ -160,6 +160,7 @@ def test_auto_picks_int4_and_records_its_reason(builds: _Builds) -> None:
 
 def test_decode_keeps_the_cache_in_place(builds: _Builds) -> None:
     engine = kvexport.load(str(builds["int4-g32"]))
+    assert engine.session.describe()["huge_pages"]["asked"] is True  # quantized weights: huge pages by default
     b = engine.prefill([72, 101, 108, 108, 111], 40)
     for t in range(30):
         engine.decode(b, np.array([65 + t % 20]))
