@@ -18,7 +18,8 @@ says, so one run can time the same peer with both caches; `FOLDER@precision=bf16
 into scheduler steps of that many tokens. A kvexport system written `ART@piece=4096` prefills in engine
 calls of that many tokens instead of the runtime's PREFILL_PIECE (before against after, in one run);
 an intel artifact written `ART@paged_min=100000` prefills every prompt in one stateful call, as before the
-paged prefill (the intel load option paged_prefill_min).
+paged prefill (the intel load option paged_prefill_min); a cpu artifact written `ART@huge_pages=false` keeps its
+repacked weights in small pages (the cpu load option huge_pages; where each engine's weights lie is printed).
 
 `bench` runs the protocol of docs/benchmarks.md: greedy, 64 new tokens, batch 1, 2 threads, every
 system warmed up (an 8-token prompt at load, then one untimed pass at each prompt length before its
@@ -79,7 +80,9 @@ class KvexportRunner:
         if "piece" in options:
             session.PREFILL_PIECE = int(options["piece"])
         # paged_min: the intel target's long-prompt threshold, its load option paged_prefill_min
-        load = {"paged_prefill_min": int(options["paged_min"])} if "paged_min" in options else {}
+        load: dict[str, object] = {"paged_prefill_min": int(options["paged_min"])} if "paged_min" in options else {}
+        if "huge_pages" in options:  # the cpu target's load option: the repacked weights in huge pages or not
+            load["huge_pages"] = options["huge_pages"]
         self.engine = kvexport.load(str(path), threads=threads, **load)
         self.vocab = self.engine.vocab_size
         target = self.engine.manifest.target or {}
@@ -88,6 +91,8 @@ class KvexportRunner:
         facts = self.engine.session.describe()
         if "paged_compile" in facts:  # intel: whether the long prompts' paged form was compiled at load (not timed)
             self.info["paged_compile"] = facts["paged_compile"]
+        if "huge_pages" in facts:  # cpu: where the repacked weights lie (a failed placement shows here)
+            self.info["huge_pages"] = facts["huge_pages"]["detail"]
 
     def run(self, ids: list[int], new: int) -> dict[str, float]:
         from kvexport.bench import bench_engine
@@ -239,8 +244,9 @@ class Worker:
         self.proc.wait()
 
 
-SPEC_KEYS = {"openvino": ("kv", "batched_tokens", "precision"), "kvexport": ("piece", "paged_min"), "ortgenai": ()}
-CHOICES = {"kv": OV_KV, "precision": OV_PRECISION}  # the worded options; the others are positive integers
+SPEC_KEYS = {"openvino": ("kv", "batched_tokens", "precision"), "kvexport": ("piece", "paged_min", "huge_pages"),
+             "ortgenai": ()}
+CHOICES = {"kv": OV_KV, "precision": OV_PRECISION, "huge_pages": ("true", "false")}  # the worded options; the others are positive integers
 
 
 def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
