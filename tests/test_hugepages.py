@@ -72,7 +72,7 @@ def test_no_proc_or_no_thp_is_said_not_done(monkeypatch: pytest.MonkeyPatch, tmp
     never.write_text("always madvise [never]\n")
     monkeypatch.setattr(hugepages, "THP_ENABLED", never)
     assert thp_mode() == "never"
-    placed = collapse_new({})
+    placed = collapse_new(set())
     assert placed.huge_bytes == 0 and "'never'" in placed.detail
 
 

@@ -7,9 +7,9 @@ int4 weights a token then walks ~200,000 page-table entries, and inside a virtua
 two-level one. `collapse_new` asks the kernel to back the loaded engine's new anonymous memory with 2 MiB pages
 (`madvise` MADV_HUGEPAGE, then MADV_COLLAPSE, Linux 6.1 and newer, which does it at once instead of leaving it
 to khugepaged's slow scan). It touches only memory mapped during the load, and of that only the 2 MiB stretches
-whose pages are almost all present (so no sparse arena is inflated); it changes no byte, and reports what it did; where the system cannot
-(no /proc, THP `never`, an older kernel), it says why and the engine runs as before. Measured on bench-1b int4,
-AMD EPYC Zen 4 under KVM: docs/backends/cpu.md ("Huge pages")."""
+whose small pages are almost all present (so no sparse arena is inflated); it changes no byte and reports what it
+did. Where the system cannot (no /proc, THP `never`, an older kernel) it says why, and the engine runs as before.
+Measured on bench-1b int4, AMD EPYC Zen 4 under KVM: docs/backends/cpu.md ("Huge pages")."""
 from __future__ import annotations
 
 import ctypes
@@ -27,7 +27,7 @@ MADV_COLLAPSE = 25  # Linux 6.1
 HUGE = 1 << 21  # x86-64 and arm64 (4 KiB base pages): a PMD maps 2 MiB
 MIN_RESIDENT = 0.9  # a 2 MiB page whose small pages are mostly untouched stays as it is: collapsing would populate it
 
-Regions = dict[tuple[int, int], int]  # (start, end) of an anonymous mapping -> its resident bytes
+Regions = set[tuple[int, int]]  # (start, end) of each anonymous mapping
 
 
 @dataclass(frozen=True)
@@ -55,23 +55,19 @@ def thp_mode() -> str | None:
 
 
 def anonymous_regions() -> Regions | None:
-    """This process's anonymous mappings (no file behind them, or the brk heap) and their resident bytes; None
-    where /proc/self/smaps cannot be read (not Linux)."""
+    """This process's anonymous mappings (no file behind them, or the brk heap) as (start, end); None where
+    /proc/self/maps cannot be read (not Linux)."""
     try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
+        lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return None
-    out: Regions = {}
-    current: tuple[int, int] | None = None
+    out: Regions = set()
     for line in lines:
         fields = line.split()
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+        anonymous = len(fields) == 5 or (len(fields) == 6 and fields[5] == "[heap]")
+        if anonymous and fields[1].startswith("rw"):  # not a PROT_NONE reservation, not code
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            current = (lo, hi) if len(fields) == 5 or fields[5] == "[heap]" else None
-            if current is not None:
-                out[current] = 0
-        elif current is not None and fields[:1] == ["Rss:"]:
-            out[current] = int(fields[1]) * 1024
+            out.add((lo, hi))
     return out
 
 
@@ -99,13 +95,16 @@ def _minus(lo: int, hi: int, before: Regions) -> list[tuple[int, int]]:
 
 def _resident_spans(pagemap: BinaryIO, start: int, end: int) -> list[tuple[int, int]]:
     """(start, length) runs of the 2 MiB pages in [start, end) whose small pages are at least MIN_RESIDENT present
-    (pagemap's bit 63): mappings next to one another merge, so a region's own resident share says too little."""
-    if end <= start:
-        return []
-    pagemap.seek(start // 4096 * 8)
-    raw = pagemap.read((end - start) // 4096 * 8)
-    present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)).astype(bool).reshape(-1, HUGE // 4096)
-    full = present.mean(axis=1) >= MIN_RESIDENT
+    (pagemap's bit 63): mappings next to one another merge, so a region's own resident share says too little.
+    Read 1 GiB of address space at a time (2 MiB of pagemap), however large the mapping."""
+    per = HUGE // 4096
+    full: list[bool] = []
+    for chunk in range(start, end, 1 << 30):
+        stop = min(chunk + (1 << 30), end)
+        pagemap.seek(chunk // 4096 * 8)
+        raw = pagemap.read((stop - chunk) // 4096 * 8)
+        present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)).astype(bool).reshape(-1, per)
+        full += list(present.mean(axis=1) >= MIN_RESIDENT)
     runs, at = [], None
     for i, ok in enumerate([*full, False]):
         if ok and at is None:
@@ -134,7 +133,7 @@ def collapse_new(before: Regions | None) -> Placement:
         return Placement(0, 0.0, f"not available: transparent huge pages are 'never' ({THP_ENABLED})")
     if os.sysconf("SC_PAGE_SIZE") != 4096:
         return Placement(0, 0.0, "not available: huge pages here are placed for 4 KiB base pages only")
-    after = anonymous_regions() or {}
+    after = anonymous_regions() or set()
     spans: list[tuple[int, int]] = []
     try:
         with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
