@@ -246,7 +246,8 @@ class Worker:
 
 SPEC_KEYS = {"openvino": ("kv", "batched_tokens", "precision"), "kvexport": ("piece", "paged_min", "huge_pages"),
              "ortgenai": ()}
-CHOICES = {"kv": OV_KV, "precision": OV_PRECISION, "huge_pages": ("true", "false")}  # the worded options; the others are positive integers
+# the worded options; the others are positive integers
+CHOICES = {"kv": OV_KV, "precision": OV_PRECISION, "huge_pages": ("true", "false")}
 
 
 def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:

@@ -393,18 +393,17 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     probe = BandwidthProbe(threads)  # before the baseline: its RSS is not the transformers model's
     floors: dict[str, GemvFloor] = {}  # one per kind of weights among the engines, by label
     floor_of: dict[str, str] = {}
+    # where each engine's repacked weights lie (kvexport.runtime.hugepages): its floor's are placed alike
+    placed = {key: p for key, e in timed if isinstance(p := getattr(e.session, "huge_pages", None), Placement)}
     if floor:
-        for key, e in timed:
+        for key, _ in timed:
             label = floor_label(gemvs[key])
             if label not in floors:
                 say(f"preparing the {label} GEMV floor (the step's weight matrices alone, in ONNX Runtime)")
-                placed = getattr(getattr(e, "session", None), "huge_pages", None)
                 floors[label] = GemvFloor(None, threads, gemvs=gemvs[key],
-                                          huge_pages=placed.asked if isinstance(placed, Placement) else True)
+                                          huge_pages=placed[key].asked if key in placed else True)
             floor_of[key] = label
-    # where each engine's and floor's repacked weights lie (kvexport.runtime.hugepages): both read alike, or say so
-    report["huge_pages"] = {key: e.session.huge_pages.record() for key, e in timed
-                            if isinstance(getattr(getattr(e, "session", None), "huge_pages", None), Placement)}
+    report["huge_pages"] = {key: p.record() for key, p in placed.items()}
     report["huge_pages"].update({f"{label} floor": f.huge_pages.record() for label, f in floors.items()})
     hf = HFBaseline(reference, threads) if baselines and reference is not None else None
     engine_rss = 0.0

@@ -27,6 +27,7 @@ ENGINE_DIR = "engine"
 FUSED_TMP = "model.fused.tmp.onnx"
 OPT_MODEL = "model.opt.onnx"
 OPT_DATA = "model.opt.onnx.data"
+HUGE_PAGES_OFF = "off (load option huge_pages=false)"  # a session's placement record where it was told not to place
 ORT_CACHE_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
 OPTIONS = (
     Option("lm_head", "str", None, "the lm_head's bits under --weights int4: int8 (the default: the logits' "
@@ -74,7 +75,7 @@ def session_options(threads: int, optimized_path: Path | None = None) -> Any:
 
 
 def open_ort_session(model: Path, threads: int, huge_pages: bool = True,
-                     off: str = "off (load option huge_pages=false)") -> tuple[Any, Placement]:
+                     off: str = HUGE_PAGES_OFF) -> tuple[Any, Placement]:
     """An ONNX Runtime CPU session of `model` (session_options(threads)) whose weights, repacked by ONNX Runtime
     while the session is made, are then moved to huge pages where the system allows (kvexport.runtime.hugepages;
     `huge_pages=False` leaves them in small pages and records `off` as why)."""
@@ -257,7 +258,7 @@ class CpuBackend(_Backend):
         # default: quantized weights only. bench-1b int4 decoded 1.06-1.08x with them in huge pages; fp32's step
         # moved within noise (bench-1b here, bench-125m on Zen 3), so its load is not made longer for it
         huge = parse_bool("huge_pages", huge_pages) if huge_pages is not None else quantized
-        off = ("off (load option huge_pages=false)" if huge_pages is not None else
+        off = (HUGE_PAGES_OFF if huge_pages is not None else
                "off: the default for fp32 weights (load option huge_pages=true places them)")
         model = folder / ENGINE_DIR / OPT_MODEL
         warning = None
@@ -334,7 +335,7 @@ def _gptq_calibration(model: Path, folder: Path, manifest: Manifest, options: Bu
 
 class CpuSession(Session):
     def __init__(self, model: Path, manifest: Manifest, threads: int, warning: str | None = None,
-                 huge_pages: bool = False, huge_pages_off: str = "off (load option huge_pages=false)"):
+                 huge_pages: bool = False, huge_pages_off: str = HUGE_PAGES_OFF):
         self.manifest, self.threads, self.warning = manifest, threads, warning
         cfg = manifest.config
         self.max_seq, self.vocab_size = manifest.max_seq, cfg.vocab_size
@@ -442,8 +443,7 @@ class CpuSession(Session):
         """A first prompt whose rows start at different positions, one row a call: each call binds that row's
         slice of the state's cache buffers and logits (rows are contiguous in C order), as BoundRows does."""
         B, S = input_ids.shape
-        if min(S, self.max_seq) > state.capacity:
-            self._resize(state, capacity_for(min(S, self.max_seq), self.max_seq))
+        self._fit(state, S)
         for r in range(B):
             b = self.sess.io_binding()
             for (inp, out), buf in zip(self.pairs, state.caches):
@@ -457,13 +457,16 @@ class CpuSession(Session):
 
     def _step(self, state: CpuState, input_ids: np.ndarray, position_ids: np.ndarray,
               attention_mask: np.ndarray) -> np.ndarray:
-        total = attention_mask.shape[-1]
-        if min(total, self.max_seq) > state.capacity:
-            self._resize(state, capacity_for(min(total, self.max_seq), self.max_seq))
+        self._fit(state, attention_mask.shape[-1])
         one = input_ids.shape[1] == 1  # a decode step fills the state's own mask buffer, reused every step
         self._run(state.binding, state, input_ids, position_ids, attention_mask, state.mask if one else None)
         state.steps += 1
         return state.logits[:, 0, :]
+
+    def _fit(self, state: CpuState, total: int) -> None:
+        """Grow the state's caches along the ladder where a call reaching `total` slots would not fit."""
+        if min(total, self.max_seq) > state.capacity:
+            self._resize(state, capacity_for(min(total, self.max_seq), self.max_seq))
 
     def _run(self, b: Any, state: CpuState, input_ids: np.ndarray, position_ids: np.ndarray,
              attention_mask: np.ndarray, mask: np.ndarray | None = None) -> None:

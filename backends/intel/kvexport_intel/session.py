@@ -117,7 +117,6 @@ class IntelSession(Session):
 
         if progress is not None:
             progress(f"verify: what the {kv} cache costs against an f32 one (the engine compiled twice at f32, in turn)")
-
         twin = self.cache_twin
         return kv_precision_cost(lambda: twin("f32"), lambda: twin(str(kv)))
 
