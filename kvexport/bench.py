@@ -18,6 +18,8 @@ from kvexport.runtime.engine import Engine
 from kvexport.runtime.hugepages import Placement
 
 Progress = Callable[[str], None]
+# an engine and its floor whose shares of weight bytes in huge pages differ by more than this are not read alike
+PLACEMENT_TOLERANCE = 0.25
 
 
 def rss_mb() -> float:
@@ -413,13 +415,19 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
             continue
         runs: dict[str, list[dict[str, Any]]] = {key: [] for key, _ in timed}
         runs["hf_cache"] = []
-        floor_rates = dict.fromkeys(floors, 0.0)  # each floor's best round at this prompt, timed before the engines
+        floor_rates = dict.fromkeys(floors, 0.0)  # each floor's best run at this prompt
+        # each engine's floor, timed for as many steps as the engine decodes just before each of its runs: this
+        # host's speed drifts over minutes, so an engine's run and a floor timed at another moment (once per round,
+        # ahead of every engine) can land in different drifts; the per-round fraction pairs them
+        paired_floor: dict[str, list[float]] = {key: [] for key in floor_of}
         for r in range(rounds):
             say(f"prompt {p}, round {r + 1}/{rounds}")
             bw = max(bw, probe.measure())
-            for label, f in floors.items():
-                floor_rates[label] = max(floor_rates[label], f.measure())
             for key, e in timed if r % 2 == 0 else timed[::-1]:  # every other round reversed: drift hits all alike
+                if key in floor_of:
+                    rate = floors[floor_of[key]].measure(steps=new_tokens - 1)
+                    paired_floor[key].append(rate)
+                    floor_rates[floor_of[key]] = max(floor_rates[floor_of[key]], rate)
                 runs[key].append(bench_engine(e, p, new_tokens))
                 if key == "engine":
                     engine_rss = max(engine_rss, rss_mb())
@@ -441,6 +449,13 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
             if key in floor_of:
                 row[key]["floor"] = floor_of[key]
                 row[key]["fraction_of_own_floor"] = row[key]["decode_tok_s"] / floor_rates[floor_of[key]]
+                fractions = [x["decode_tok_s"] / f for x, f in zip(runs[key], paired_floor[key])]
+                row[key]["fraction_of_own_floor_per_round"] = fractions
+                row[key]["fraction_of_own_floor_median_round"] = float(np.median(fractions))
+                differs = placement_differs(placed.get(key), floors[floor_of[key]].huge_pages,
+                                            sum(g.nbytes for g in gemvs[key]))
+                if differs:
+                    row[key]["floor_placement_differs"] = differs
         for key, _ in timed[1:]:
             o, e = row[key], row["engine"]
             # each round's runs are back to back: the median of the paired ratios is the figure the host's drift moves least
@@ -481,6 +496,20 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     return report
 
 
+def placement_differs(engine: Placement | None, floor: Placement, weight_bytes: int) -> str | None:
+    """Why an engine and its floor do not read their weights from alike pages (None: they do, or neither was
+    placed). Placing needs free 2 MiB pages: with memory short, one of the two can be placed and the other not,
+    and the fraction of floor then compares a placed read with an unplaced one."""
+    if engine is None or not (engine.asked or floor.asked):
+        return None
+    share = [min(1.0, p.huge_bytes / max(weight_bytes, 1)) for p in (engine, floor)]
+    if abs(share[0] - share[1]) < PLACEMENT_TOLERANCE:
+        return None
+    return (f"the engine has {share[0] * 100:.0f}% of its weights' bytes in huge pages and its floor "
+            f"{share[1] * 100:.0f}% ({engine.detail}; floor: {floor.detail}): free memory and run again, or "
+            "load with huge_pages=false")
+
+
 def _kv(e: dict[str, Any]) -> str:
     """The engine's cache figures as measured, or `not measured (why)`."""
     why = e.get("not_measured", {})
@@ -489,6 +518,12 @@ def _kv(e: dict[str, Any]) -> str:
     copied = e["cache_bytes_copied_per_decode_step"]
     return kv + ("   copied/step " + (f"{copied:.0f} B" if copied is not None else
                                      f"not measured ({why.get('cache_bytes_copied', 'no figure from this backend')})"))
+
+
+def _of_floor_rounds(e: dict[str, Any]) -> str:
+    """An engine's fraction of its floor timed just before each of its runs: per round and the median."""
+    rounds = ", ".join(f"{x * 100:.0f}%" for x in e["fraction_of_own_floor_per_round"])
+    return f"{e['fraction_of_own_floor_median_round'] * 100:.0f}% median of the paired rounds ({rounds})"
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -509,7 +544,10 @@ def format_report(r: dict[str, Any]) -> str:
             kernel = "MatMul" if label == "fp32" else "MatMulNBits"
             lines.append(f"  floor       {f['tok_s']:7.1f} tok/s (the weight GEMVs alone, ONNX Runtime {kernel}, {label}, "
                          f"{f['weight_bytes'] / 2**20:.0f} MiB)" + ("" if label != e.get("floor") else
-                                                                   f": engine reaches {row['fraction_of_floor'] * 100:.0f}%"))
+                                                                   f": engine reaches {row['fraction_of_floor'] * 100:.0f}% "
+                                                                   f"best over best, {_of_floor_rounds(e)}"))
+        if "floor_placement_differs" in e:
+            lines.append(f"  ! engine and floor placed differently: {e['floor_placement_differs']}")
         for k, v in row.items():
             if k.startswith("other:"):
                 rounds = ", ".join(f"{x:.2f}" for x in v["decode_ratio_vs_main_per_round"])
@@ -518,10 +556,13 @@ def format_report(r: dict[str, Any]) -> str:
                              f"(per round {rounds}, median {v['decode_ratio_vs_main_median_round']:.3f}x), "
                              f"ttft {v['ttft_s'] * 1e3:.1f} ms = {v['ttft_ratio_vs_main']:.2f}x, {_kv(v)}")
                 if "fraction_of_own_floor" in v:
-                    lines.append(f"      reaches {v['fraction_of_own_floor'] * 100:.0f}% of its {v['floor']} floor; its floor is "
+                    lines.append(f"      reaches {v['fraction_of_own_floor'] * 100:.0f}% of its {v['floor']} floor best over "
+                                 f"best, {_of_floor_rounds(v)}; its floor is "
                                  f"{v['floor_ratio_vs_main']:.2f}x the main engine's, its decode "
                                  f"{v['decode_ratio_vs_main']:.2f}x ({v['decode_ratio_vs_main'] / v['floor_ratio_vs_main'] * 100:.0f}% "
                                  "of the floors' ratio)")
+                if "floor_placement_differs" in v:
+                    lines.append(f"      ! placed otherwise than its floor: {v['floor_placement_differs']}")
         if "ratios" in row:
             h, hn, q = row["hf_cache"], row["hf_nocache"], row["ratios"]
             lines.append(f"  HF eager    decode {h['decode_tok_s']:7.1f} tok/s   ttft {h['ttft_s'] * 1e3:7.1f} ms")

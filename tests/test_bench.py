@@ -10,8 +10,9 @@ from safetensors.numpy import load_file
 
 from kvexport.architectures import get_arch, map_config
 from kvexport.bench import (Gemv, GemvFloor, check_comparable, engine_gemvs, floor_label, format_report, fp32_gemvs,
-                            linear_shapes, nominal_gemvs, onnx_gemvs, parse_prompt_lens, run_bench)
+                            linear_shapes, nominal_gemvs, onnx_gemvs, parse_prompt_lens, placement_differs, run_bench)
 from kvexport.errors import InputError
+from kvexport.runtime.hugepages import Placement
 from kvexport.zoo import NAMED_MODELS, TINY_CONFIGS, write_checkpoint
 
 
@@ -104,9 +105,66 @@ def test_compared_engines_get_per_round_ratios_and_each_its_own_floor(artifacts:
     assert min(o["decode_ratio_vs_main_per_round"]) <= o["decode_ratio_vs_main_median_round"] <= max(
         o["decode_ratio_vs_main_per_round"])
     assert o["fraction_of_own_floor"] == pytest.approx(o["decode_tok_s"] / row["gemv_floor_tok_s"])
+    # each run is paired with the floor timed just before it: one fraction per round; the best-over-best figure's
+    # floor is the best of those floor runs
+    timed_floors = []
+    for x in (e, o):
+        per_round = x["fraction_of_own_floor_per_round"]
+        assert len(per_round) == 2 and all(f > 0 for f in per_round)
+        assert x["fraction_of_own_floor_median_round"] == pytest.approx(float(np.median(per_round)))
+        timed_floors += [run / f for run, f in zip(x["decode_tok_s_per_round"], per_round)]
+    assert max(timed_floors) == pytest.approx(row["gemv_floor_tok_s"])
     assert o["ttft_ratio_vs_main"] == pytest.approx(o["ttft_s"] / e["ttft_s"])
     text = format_report(r)
-    assert "of its fp32 floor" in text and "median" in text
+    assert "of its fp32 floor" in text and "median" in text and "paired rounds" in text
+
+
+def test_each_run_is_held_to_the_floor_timed_just_before_it(artifacts: dict[str, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's speed drifts over minutes: a floor timed at another moment than the run it judges can land in
+    another drift, so the per-round fraction divides each run by its own floor run, in the order they ran."""
+    import kvexport
+    from kvexport import bench
+
+    log: list[str] = []
+    floor_rates = iter([10.0, 20.0, 40.0, 80.0])
+    decode_rates = iter([5.0, 5.0, 5.0, 5.0])
+
+    def fake_floor(self: GemvFloor, steps: int = 20) -> float:
+        log.append(f"floor {steps}")
+        return next(floor_rates)
+
+    def fake_engine(engine: object, prompt_len: int, new_tokens: int) -> dict[str, object]:
+        log.append("engine")
+        return {"ttft_s": 0.1, "decode_tok_s": next(decode_rates), "python_overhead": None, "kv_cache_bytes": None,
+                "cache_bytes_copied_per_decode_step": None, "not_measured": {}}
+
+    monkeypatch.setattr(GemvFloor, "measure", fake_floor)
+    monkeypatch.setattr(bench, "bench_engine", fake_engine)
+    main = kvexport.load(str(artifacts["llama"]), threads=1)
+    r = run_bench(main, reference=None, prompt_lens=(8,), new_tokens=6, threads=1, others=[("same", main)],
+                  baselines=False, rounds=2)
+    assert log == ["floor 5", "engine"] * 4  # as many floor steps as the engine decodes, just before each run
+    row = r["prompts"]["8"]
+    # round 1 runs main then other, round 2 other then main
+    assert row["engine"]["fraction_of_own_floor_per_round"] == pytest.approx([5 / 10, 5 / 80])
+    assert row["other:same"]["fraction_of_own_floor_per_round"] == pytest.approx([5 / 20, 5 / 40])
+    assert row["engine"]["fraction_of_own_floor"] == pytest.approx(5 / 80)  # best over best
+    assert row["gemv_floor_tok_s"] == 80.0
+
+
+def test_an_engine_and_a_floor_placed_unalike_are_flagged() -> None:
+    gib = 1 << 30
+    placed, unplaced = Placement(gib, 1.0, "1 GiB placed"), Placement(0, 1.0, "16 of 16 spans kept small pages")
+    assert placement_differs(placed, placed, gib) is None
+    assert placement_differs(unplaced, unplaced, gib) is None
+    assert placement_differs(None, placed, gib) is None  # an engine that places nothing (not an ONNX Runtime one)
+    off = Placement(0, 0.0, "off", asked=False)
+    assert placement_differs(off, off, gib) is None
+    why = placement_differs(unplaced, placed, gib)
+    assert why is not None and "0%" in why and "100%" in why and "huge_pages=false" in why
+    assert placement_differs(Placement(gib // 2, 1.0, "half"), placed, gib) is not None
+    assert placement_differs(Placement(gib * 9 // 10, 1.0, "most"), placed, gib) is None  # within the tolerance
 
 
 def test_compare_refuses_an_artifact_of_another_model(artifacts: dict[str, Path], tmp_path: Path) -> None:
