@@ -251,6 +251,40 @@ class GemvFloor:
         return steps / (time.perf_counter() - t)
 
 
+def other_key(label: str) -> str:
+    """The report's key for a compared engine."""
+    return f"other:{label}"
+
+
+def placement(engine: Engine) -> Placement | None:
+    """Where the engine's repacked weights lie (kvexport.runtime.hugepages); None for an engine that places none."""
+    p = getattr(engine.session, "huge_pages", None)
+    return p if isinstance(p, Placement) else None
+
+
+class Floors:
+    """One GEMV floor per kind of weights among the engines of a run, each placed in memory as the engine it was
+    made for (huge pages, or not where that engine's load option says not). Make each engine's floor just after
+    the engine loads (`add`): placing needs free 2 MiB pages, and a floor made after every engine has loaded (a
+    10 GB fp32 one among them) can find none where its engine found them."""
+
+    def __init__(self, threads: int, progress: Progress | None = None):
+        self.threads, self.say = threads, progress or (lambda _m: None)
+        self.floors: dict[str, GemvFloor] = {}  # by label
+        self.floor_of: dict[str, str] = {}  # engine key -> label
+
+    def add(self, key: str, engine: Engine) -> GemvFloor:
+        gemvs = engine_gemvs(engine)
+        label = floor_label(gemvs)
+        if label not in self.floors:
+            self.say(f"preparing the {label} GEMV floor (the step's weight matrices alone, in ONNX Runtime)")
+            placed = placement(engine)
+            self.floors[label] = GemvFloor(None, self.threads, gemvs=gemvs,
+                                           huge_pages=placed.asked if placed is not None else True)
+        self.floor_of[key] = label
+        return self.floors[label]
+
+
 def parse_prompt_lens(text: str) -> tuple[int, ...]:
     """`32,512,4096` -> (32, 512, 4096); anything else is refused before an engine is loaded."""
     from kvexport.errors import InputError
@@ -375,9 +409,11 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int, ...] = (32, 512),
               new_tokens: int = 64, threads: int = 2, others: list[tuple[str, Engine]] | None = None,
               baselines: bool = True, floor: bool = True, rounds: int = 3, engine_load_rss_mb: float | None = None,
-              progress: Progress | None = None) -> dict[str, Any]:
+              progress: Progress | None = None, prepared: Floors | None = None) -> dict[str, Any]:
     """Engine, other engines and the transformers baseline are timed back to back in each round,
-    so a burst of load from elsewhere hits all of them; each keeps its best round."""
+    so a burst of load from elsewhere hits all of them; each keeps its best round. `prepared`: the engines'
+    floors, each made just after its engine loaded (`Floors`, keys "engine" and other_key(label)); made here
+    otherwise."""
     say = progress or (lambda _m: None)
     cfg = engine.config
     report: dict[str, Any] = {
@@ -386,25 +422,23 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
         "prompts": {},
     }
     bw = 0.0  # best read bandwidth seen in any round: the bound is an upper limit, so take the highest
-    timed = [("engine", engine), *((f"other:{label}", other) for label, other in others or [])]
+    timed = [("engine", engine), *((other_key(label), other) for label, other in others or [])]
     modes = {key: mode_of(e) for key, e in timed}
     kv_token_bytes = kv_of(engine.manifest)[1]  # K and V of one token, every layer, at the cache's own width
     gemvs = {key: engine_gemvs(e) for key, e in timed}
     # per token: every weight matrix is read once (the embedding tables are gathered, one row each)
     weight_bytes = sum(g.nbytes for g in gemvs["engine"])
     probe = BandwidthProbe(threads)  # before the baseline: its RSS is not the transformers model's
-    floors: dict[str, GemvFloor] = {}  # one per kind of weights among the engines, by label
-    floor_of: dict[str, str] = {}
-    # where each engine's repacked weights lie (kvexport.runtime.hugepages): its floor's are placed alike
-    placed = {key: p for key, e in timed if isinstance(p := getattr(e.session, "huge_pages", None), Placement)}
-    if floor:
-        for key, _ in timed:
-            label = floor_label(gemvs[key])
-            if label not in floors:
-                say(f"preparing the {label} GEMV floor (the step's weight matrices alone, in ONNX Runtime)")
-                floors[label] = GemvFloor(None, threads, gemvs=gemvs[key],
-                                          huge_pages=placed[key].asked if key in placed else True)
-            floor_of[key] = label
+    placed = {key: p for key, e in timed if (p := placement(e)) is not None}
+    if not floor:
+        prepared = None
+    elif prepared is None:
+        prepared = Floors(threads, say)
+        for key, e in timed:
+            prepared.add(key, e)
+    floors = prepared.floors if prepared is not None else {}
+    floor_of = prepared.floor_of if prepared is not None else {}
+    assert not floors or set(floor_of) == {key for key, _ in timed}, "a floor for each engine timed, made by Floors.add"
     report["huge_pages"] = {key: p.record() for key, p in placed.items()}
     report["huge_pages"].update({f"{label} floor": f.huge_pages.record() for label, f in floors.items()})
     hf = HFBaseline(reference, threads) if baselines and reference is not None else None

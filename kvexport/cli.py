@@ -370,20 +370,29 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise InputError(f"--rounds must be at least 1, got {a.rounds}")
     if a.reference is not None and not Path(a.reference).is_dir():
         raise InputError(f"--reference {a.reference} is not a checkpoint folder")
-    from kvexport.bench import check_comparable, format_report, parse_prompt_lens, rss_mb, run_bench
+    from kvexport.bench import Floors, check_comparable, format_report, other_key, parse_prompt_lens, rss_mb, run_bench
 
     prompts = parse_prompt_lens(a.prompts)
     check_comparable(Path(a.artifact), [Path(p) for p in a.compare])
+    progress = _Progress(a.quiet)
+    floors = None if a.no_floor else Floors(a.threads, progress)  # each made just after its engine loads
     rss0 = rss_mb()
     engine = _load(a.artifact, a, a.threads)
     engine_load_rss = rss_mb() - rss0
-    others = [(p, _load(p, a, a.threads, options=[])) for p in a.compare]  # --option is the main artifact's
-    for variant in a.variant:  # the same artifact loaded with other load options, e.g. kv_precision=u8
-        others.append((f"{a.artifact} [{variant}]", _load(a.artifact, a, a.threads, [*a.option, *variant.split(",")])))
+    if floors is not None:
+        floors.add("engine", engine)
+    loads = [(p, p, []) for p in a.compare]  # --option is the main artifact's
+    # the same artifact loaded with other load options, e.g. kv_precision=u8
+    loads += [(f"{a.artifact} [{v}]", a.artifact, [*a.option, *v.split(",")]) for v in a.variant]
+    others = []
+    for label, path, options in loads:
+        others.append((label, _load(path, a, a.threads, options)))
+        if floors is not None:
+            floors.add(other_key(label), others[-1][1])
     r = run_bench(engine, reference=Path(a.reference) if a.reference else None, prompt_lens=prompts,
                   new_tokens=a.new_tokens, threads=a.threads, others=others, baselines=not a.no_baselines,
                   floor=not a.no_floor, rounds=a.rounds, engine_load_rss_mb=engine_load_rss,
-                  progress=_Progress(a.quiet))
+                  progress=progress, prepared=floors)
     print(json.dumps(r, indent=2) if a.json else format_report(r))
     return 0
 

@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from kvexport.architectures import get_arch, map_config
-from kvexport.bench import (Gemv, GemvFloor, check_comparable, engine_gemvs, floor_label, format_report, fp32_gemvs,
+from kvexport.bench import (Floors, Gemv, GemvFloor, check_comparable, engine_gemvs, floor_label, format_report, fp32_gemvs,
                             linear_shapes, nominal_gemvs, onnx_gemvs, parse_prompt_lens, placement_differs, run_bench)
 from kvexport.errors import InputError
 from kvexport.runtime.hugepages import Placement
@@ -151,6 +151,59 @@ def test_each_run_is_held_to_the_floor_timed_just_before_it(artifacts: dict[str,
     assert row["other:same"]["fraction_of_own_floor_per_round"] == pytest.approx([5 / 20, 5 / 40])
     assert row["engine"]["fraction_of_own_floor"] == pytest.approx(5 / 80)  # best over best
     assert row["gemv_floor_tok_s"] == 80.0
+
+
+def test_the_cli_makes_each_floor_just_after_its_engine_loads(artifacts: dict[str, Path],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Placing a floor's weights in huge pages needs free 2 MiB pages: made after every engine had loaded (a 10 GB
+    fp32 one among them), an int8 floor found none where its engine had found them. So `kvexport bench` makes each
+    engine's floor as soon as that engine is loaded, and run_bench times those floors."""
+    from kvexport import bench, cli
+
+    log: list[str] = []
+    load, add = cli._load, Floors.add
+
+    def logged_load(path: str, *args: object, **kwargs: object) -> object:
+        log.append("load")
+        return load(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    def logged_add(self: Floors, key: str, engine: object) -> GemvFloor:
+        log.append(f"floor {key}")
+        return add(self, key, engine)  # type: ignore[arg-type]
+
+    seen: dict[str, object] = {}
+
+    def fake_run_bench(engine: object, **kwargs: object) -> dict[str, object]:
+        seen.update(kwargs)
+        return {}
+
+    monkeypatch.setattr(cli, "_load", logged_load)
+    monkeypatch.setattr(Floors, "add", logged_add)
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    monkeypatch.setattr(bench, "format_report", lambda r: "")
+    art = str(artifacts["llama"])
+    assert cli.main(["bench", art, "--compare", art, "--variant", "threads=1", "--no-baselines", "-q"]) == 0
+    assert log == ["load", "floor engine", "load", f"floor other:{art}", "load", f"floor other:{art} [threads=1]"]
+    prepared = seen["prepared"]
+    assert isinstance(prepared, Floors) and list(prepared.floors) == ["fp32"]  # one floor for one kind of weights
+    assert set(prepared.floor_of) == {"engine", f"other:{art}", f"other:{art} [threads=1]"}
+    log.clear()
+    assert cli.main(["bench", art, "--no-floor", "--no-baselines", "-q"]) == 0
+    assert log == ["load"] and seen["prepared"] is None
+
+
+def test_prepared_floors_are_the_ones_timed(artifacts: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvexport
+
+    main = kvexport.load(str(artifacts["llama"]), threads=1)
+    floors = Floors(threads=1)
+    floors.add("engine", main)
+    made: list[object] = []
+    monkeypatch.setattr(GemvFloor, "__init__", lambda self, *a, **k: made.append(self))  # no other floor is made
+    r = run_bench(main, reference=None, prompt_lens=(8,), new_tokens=4, threads=1, baselines=False, rounds=1,
+                  prepared=floors)
+    assert not made and r["prompts"]["8"]["engine"]["floor"] == "fp32"
+    assert r["huge_pages"]["fp32 floor"] == floors.floors["fp32"].huge_pages.record()
 
 
 def test_an_engine_and_a_floor_placed_unalike_are_flagged() -> None:
