@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens before each block")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", type=Path, help="a folder for ONNX Runtime's profiles of both")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a load option of the artifact (e.g. huge_pages=false), as `kvexport run --option` takes it")
     a = ap.parse_args()
     if a.profile is not None:
         import kvexport.backends.cpu as cpu
@@ -132,7 +134,8 @@ def main() -> None:
         cpu.session_options = profiled
     import kvexport
 
-    engine = kvexport.load(a.artifact, threads=a.threads)
+    options = dict(o.split("=", 1) for o in a.option)
+    engine = kvexport.load(a.artifact, threads=a.threads, **options)
     sess, config = genai_session(Path(a.genai), a.profile)
     if config.get("session_options", {}).get("intra_op_num_threads") != a.threads:
         print(f"note: genai's session options ask {config.get('session_options', {}).get('intra_op_num_threads')} "
