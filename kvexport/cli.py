@@ -611,7 +611,8 @@ def parser() -> argparse.ArgumentParser:
                    help="load option of the main artifact (and its --variant runs), not of --compare ones")
     s.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
     s.add_argument("--no-floor", action="store_true",
-                   help="skip the GEMV floor (the model's weight matrices timed as bare ONNX Runtime MatMuls)")
+                   help="skip the GEMV floors (each engine's weight matrices alone, as bare ONNX Runtime MatMul or "
+                        "MatMulNBits, timed just before each of its runs)")
     s.add_argument("--json", action="store_true")
     common(s)
     s.set_defaults(fn=cmd_bench)
