@@ -386,9 +386,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     loads += [(f"{a.artifact} [{v}]", a.artifact, [*a.option, *v.split(",")]) for v in a.variant]
     others = []
     for label, path, options in loads:
-        others.append((label, _load(path, a, a.threads, options)))
+        other = _load(path, a, a.threads, options)
+        others.append((label, other))
         if floors is not None:
-            floors.add(other_key(label), others[-1][1])
+            floors.add(other_key(label), other)
     r = run_bench(engine, reference=Path(a.reference) if a.reference else None, prompt_lens=prompts,
                   new_tokens=a.new_tokens, threads=a.threads, others=others, baselines=not a.no_baselines,
                   floor=not a.no_floor, rounds=a.rounds, engine_load_rss_mb=engine_load_rss,
