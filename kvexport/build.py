@@ -12,6 +12,7 @@ from kvexport import backends
 from kvexport.backends import BuildOptions
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import BackendUnavailableError, InputError, NumericsMismatchError
+from kvexport.manifest import check_output
 from kvexport.precision import ALIASES, Resolved, record, resolve
 
 Progress = Callable[[str], None]
@@ -43,10 +44,13 @@ def build(
     if verify:  # the row first: it needs no import of transformers
         _require_tolerance_row(target, resolved)
         _require_verify_reference()
+    if max_seq is not None and max_seq < 1:
+        raise InputError(f"--max-seq must be at least 1 (or left out for the model's max_position_embeddings), got {max_seq}")
+    out = Path(out)
+    check_output(out, Path(model_dir) if model_dir is not None else None)
     # torch and the ONNX exporter load only now: a refused build answers in a second, not after their import
     from kvexport.artifact import VERIFY_FILE, export_artifact, finish, open_artifact
 
-    out = Path(out)
     with tempfile.TemporaryDirectory(prefix="kvexport-default-") as tmp:
         if model_dir is None:
             from kvexport.zoo import write_default
@@ -141,6 +145,8 @@ def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: i
     from kvexport.runtime.engine import load
     from kvexport.verify import check_reference, require_reference, verify_engine
 
+    if decode_steps < 1:
+        raise InputError(f"verify needs at least 1 decode step (--steps), got {decode_steps}")
     folder = Path(folder)
     _, manifest = open_artifact(folder, verify_hashes=False)  # load() below checks the hashes
     check_reference(manifest, reference_dir)

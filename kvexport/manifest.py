@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvexport.config import DecoderConfig
-from kvexport.errors import ManifestError
+from kvexport.errors import InputError, ManifestError
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -138,3 +138,22 @@ def read(folder: Path) -> Manifest:
         raise ManifestError(f"{path} is not valid JSON ({e}); the artifact is corrupted, rebuild it") from e
     validate(raw)
     return Manifest(raw)
+
+
+def check_output(out: Path, source: Path | None = None) -> None:
+    """Refuse an output folder whose replacing would lose data, before any work: `out` may be new, an empty
+    folder or an earlier kvexport artifact (it holds manifest.json), which the finished one then replaces. A
+    file, a folder holding anything else, or the checkpoint being read (or a folder holding it) is refused."""
+    out = Path(out)
+    if source is not None:
+        src, dst = Path(source).resolve(), out.resolve()
+        if src == dst or dst in src.parents:
+            raise InputError(f"-o {out} would replace the checkpoint being read ({source}): give another output folder")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise InputError(f"-o {out} is a file: give a folder path (a new one, or an earlier kvexport artifact to "
+                         "replace)")
+    if not (out / MANIFEST_FILE).is_file() and any(out.iterdir()):
+        raise InputError(f"-o {out} is a folder that is not a kvexport artifact (no {MANIFEST_FILE}) and is not "
+                         "empty: kvexport replaces only its own artifacts; give a new folder or remove this one first")

@@ -1,0 +1,86 @@
+"""Input a user can get wrong, refused with a typed error before any work: output folders whose replacing would
+lose data, counts below their minimum, token ids that are not numbers, an IR-only artifact given to `run`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvexport.errors import ArtifactError, InputError
+from kvexport.manifest import MANIFEST_FILE, check_output
+from tests.test_cli import kvx
+
+
+def test_check_output_replaces_only_new_empty_or_kvexport_folders(tmp_path: Path) -> None:
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    (ck / "config.json").write_text("{}")
+    check_output(tmp_path / "new.kvx", ck)  # new: fine
+    (tmp_path / "empty").mkdir()
+    check_output(tmp_path / "empty", ck)  # empty: fine
+    old = tmp_path / "old.kvx"
+    old.mkdir()
+    (old / MANIFEST_FILE).write_text("{}")
+    (old / "model.onnx").write_text("x")
+    check_output(old, ck)  # an earlier artifact: replaced when the new one is done
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(InputError, match="not a kvexport artifact"):
+        check_output(mine, ck)
+    (tmp_path / "afile").write_text("hi")
+    with pytest.raises(InputError, match="is a file"):
+        check_output(tmp_path / "afile", ck)
+    with pytest.raises(InputError, match="the checkpoint being read"):
+        check_output(ck, ck)
+    with pytest.raises(InputError, match="the checkpoint being read"):
+        check_output(tmp_path, ck)  # a folder holding the checkpoint
+    assert (mine / "notes.txt").read_text() == "precious" and (ck / "config.json").is_file()
+
+
+def test_build_and_export_refuse_before_any_work(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from kvexport.artifact import export_artifact
+    from kvexport.build import build
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    ck = checkpoints["llama"]
+    for make in (lambda o: build(ck, o, verify=False), lambda o: export_artifact(ck, o)):
+        with pytest.raises(InputError, match="not a kvexport artifact"):
+            make(mine)
+        with pytest.raises(InputError, match="the checkpoint being read"):
+            make(ck)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert (ck / "config.json").is_file()
+    assert not list(tmp_path.glob("*.building")) and not list(tmp_path.glob("*.partial"))
+    for bad in (0, -5):
+        with pytest.raises(InputError, match="--max-seq must be at least 1"):
+            build(ck, tmp_path / "x.kvx", max_seq=bad, verify=False)
+        with pytest.raises(InputError, match="--max-seq must be at least 1"):
+            export_artifact(ck, tmp_path / "x.kvx", max_seq=bad)
+    assert not (tmp_path / "x.kvx").exists()
+
+
+def test_counts_and_ids_refused_by_the_cli(default_artifact: Path, tmp_path: Path) -> None:
+    import kvexport
+
+    engine = kvexport.load(default_artifact)
+    with pytest.raises(InputError, match="max_new_tokens must be >= 0"):
+        engine.prefill([72, 105], -1)
+    for args, flag in ((["bench", str(default_artifact), "--new-tokens", "0", "--no-baselines"], "--new-tokens"),
+                       (["verify", str(default_artifact), "--reference", str(tmp_path), "--steps", "-1"], "decode step"),
+                       (["run", str(default_artifact), "--prompt", "1,a", "--ids"], "--ids"),
+                       (["build", "-o", str(tmp_path / "m.kvx"), "--max-seq", "-5", "--no-verify"], "--max-seq")):
+        p = kvx(*args, ok=False)
+        assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+def test_an_ir_only_artifact_says_to_build_from_its_checkpoint(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    import kvexport
+    from kvexport.artifact import export_artifact
+
+    ir = export_artifact(checkpoints["llama"], tmp_path / "ir.kvx", max_seq=32)
+    with pytest.raises(ArtifactError, match="build one from the checkpoint folder it was exported from") as e:
+        kvexport.load(ir)
+    assert "CHECKPOINT_DIR" in str(e.value) and f"build {ir}" not in str(e.value)
