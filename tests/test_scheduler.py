@@ -123,6 +123,20 @@ def test_limits_refused_before_admission(engine: Engine) -> None:
     assert s.stats.rejected == {"queue_full": 1}
 
 
+def test_max_queue_zero_runs_what_finds_a_row_and_refuses_what_would_wait(engine: Engine) -> None:
+    """max_queue=0: no request waits. One that finds a free row is admitted (it was refused on an idle
+    scheduler before); one that would have to wait for a row answers QueueFullError."""
+    with Scheduler(engine, max_batch=1, max_queue=0) as s:
+        a = s.submit("a", 100)  # the idle scheduler's free row
+        with pytest.raises(QueueFullError, match="max_queue=0"):
+            s.submit("b", 4)  # the row is taken: it would wait
+        a.cancel()
+        assert a.result(timeout=TIMEOUT).finish_reason == "cancelled"
+        done = s.submit("c", 3).result(timeout=TIMEOUT)  # the row is free again
+        assert len(done.token_ids) == 3
+    assert s.stats.rejected == {"queue_full": 1}
+
+
 def test_close_drains_and_refuses(engine: Engine) -> None:
     s = Scheduler(engine, max_batch=2).start()
     hs = [s.submit(p, 12) for p in PROMPTS[:4]]

@@ -293,7 +293,7 @@ class Scheduler:
                 self.stats.rejected["closing"] = self.stats.rejected.get("closing", 0) + 1
                 raise SchedulerClosedError("the scheduler is shutting down and admits no new request")
             free = sum(s is None for s in self._slots)
-            if max(0, len(self._queue) - free) >= self.max_queue:  # those beyond the free rows wait
+            if len(self._queue) + 1 - free > self.max_queue:  # with this one, those beyond the free rows wait
                 self.stats.rejected["queue_full"] = self.stats.rejected.get("queue_full", 0) + 1
                 raise QueueFullError(f"{len(self._queue)} requests are waiting (max_queue={self.max_queue}); "
                                      "retry later")
