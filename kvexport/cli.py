@@ -314,7 +314,12 @@ def cmd_build(a: argparse.Namespace) -> int:
 
 def cmd_run(a: argparse.Namespace) -> int:
     engine = _load(a.artifact, a, a.threads)
-    prompt: Any = [int(t) for t in a.prompt.split(",")] if a.ids else a.prompt
+    prompt: Any = a.prompt
+    if a.ids:
+        try:
+            prompt = [int(t) for t in a.prompt.split(",")]
+        except ValueError:
+            raise InputError(f"--ids takes the prompt as comma-separated token ids (e.g. 1,15,42), got {a.prompt!r}") from None
     if a.chat or a.messages:  # the artifact's chat template, rendered as `kvexport serve` renders it
         from kvexport.chat import run_chat_ids
 
@@ -368,6 +373,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     # bad arguments are refused before any engine is loaded, and before kvexport.bench imports torch
     if a.rounds < 1:
         raise InputError(f"--rounds must be at least 1, got {a.rounds}")
+    if a.new_tokens < 2:
+        raise InputError(f"--new-tokens must be at least 2 (decode is timed over the tokens after the first), "
+                         f"got {a.new_tokens}")
     if a.reference is not None and not Path(a.reference).is_dir():
         raise InputError(f"--reference {a.reference} is not a checkpoint folder")
     from kvexport.bench import Floors, check_comparable, format_report, other_key, parse_prompt_lens, rss_mb, run_bench
@@ -520,7 +528,8 @@ def parser() -> argparse.ArgumentParser:
                         "default: the target's own")
     s.add_argument("--precision", default=None, metavar="MODE", help="another name for --weights")
     s.add_argument("--group-size", type=int, default=None, metavar="N",
-                   help="int8/int4 weights: 32, 64 or 128 weights share one scale (default: the target's, 32 on cpu)")
+                   help="int8/int4 weights: 32, 64 or 128 weights share one scale (default: the target's; on cpu 32 for "
+                        "int4, and 128 for int8 but where the CPU has AMX-INT8)")
     s.add_argument("--kv", default=None, metavar="MODE",
                    help="KV cache: fp32, fp16, bf16, int8 or auto (default: fp32, or the weights' type on targets "
                         "that keep the cache in it)")

@@ -132,6 +132,8 @@ class Engine:
         The logits are the caller's own array. copy=False returns a view of the engine's output
         buffer instead (no copy), which the next step on this batch overwrites: use it only to
         consume the logits before the next call."""
+        if max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be >= 0 (the cache slots kept for decoding), got {max_new_tokens}")
         rows = self._rows(prompts)
         S = max(len(r) for r in rows)
         self.check_fits(S, max_new_tokens)
@@ -310,8 +312,9 @@ def load(path: str | Path, *, threads: int | None = None, **options: Any) -> Eng
     target = manifest.target
     if target is None:
         raise ArtifactError(
-            f"{folder} holds only the IR (made by `kvexport export`); build an engine from it with "
-            f"`kvexport build {folder} --target cpu -o OUT.kvx`"
+            f"{folder} holds only the IR (made by `kvexport export`), no engine: build one from the checkpoint "
+            f"folder it was exported from ({manifest.raw['model'].get('name') or 'the model'}) with "
+            f"`kvexport build CHECKPOINT_DIR --target cpu -o OUT.kvx`"
         )
     verification = manifest.raw.get("verification") or {}
     if verification.get("passed") is False:
