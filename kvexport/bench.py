@@ -406,6 +406,15 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
+def check_prompts_fit(prompt_lens: tuple[int, ...], new_tokens: int, max_seq: int) -> None:
+    """Refuse a run in which no prompt length fits the engine (each one alone is skipped, said why)."""
+    from kvexport.errors import InputError
+
+    if all(p + new_tokens > max_seq for p in prompt_lens):
+        raise InputError(f"no --prompt-lens fits this artifact: a prompt plus --new-tokens {new_tokens} must be at most "
+                         f"its max_seq {max_seq}; give shorter prompts or rebuild with a larger --max-seq")
+
+
 def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int, ...] = (32, 512),
               new_tokens: int = 64, threads: int = 2, others: list[tuple[str, Engine]] | None = None,
               baselines: bool = True, floor: bool = True, rounds: int = 3, engine_load_rss_mb: float | None = None,
@@ -415,6 +424,7 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     floors, each made just after its engine loaded (`Floors`, keys "engine" and other_key(label)); made here
     otherwise."""
     say = progress or (lambda _m: None)
+    check_prompts_fit(prompt_lens, new_tokens, engine.max_seq)
     cfg = engine.config
     report: dict[str, Any] = {
         "artifact": str(engine.folder), "threads": threads, "new_tokens": new_tokens, "cpu_count": os.cpu_count(),

@@ -378,7 +378,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                          f"got {a.new_tokens}")
     if a.reference is not None and not Path(a.reference).is_dir():
         raise InputError(f"--reference {a.reference} is not a checkpoint folder")
-    from kvexport.bench import Floors, check_comparable, format_report, other_key, parse_prompt_lens, rss_mb, run_bench
+    from kvexport.bench import (Floors, check_comparable, check_prompts_fit, format_report, other_key, parse_prompt_lens,
+                                rss_mb, run_bench)
 
     prompts = parse_prompt_lens(a.prompts)
     check_comparable(Path(a.artifact), [Path(p) for p in a.compare])
@@ -387,6 +388,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     rss0 = rss_mb()
     engine = _load(a.artifact, a, a.threads)
     engine_load_rss = rss_mb() - rss0
+    check_prompts_fit(prompts, a.new_tokens, engine.max_seq)  # before any floor is made
     if floors is not None:
         floors.add("engine", engine)
     loads = [(p, p, []) for p in a.compare]  # --option is the main artifact's

@@ -71,6 +71,7 @@ def test_counts_and_ids_refused_by_the_cli(default_artifact: Path, tmp_path: Pat
     for args, flag in ((["bench", str(default_artifact), "--new-tokens", "0", "--no-baselines"], "--new-tokens"),
                        (["verify", str(default_artifact), "--reference", str(tmp_path), "--steps", "-1"], "decode step"),
                        (["run", str(default_artifact), "--prompt", "1,a", "--ids"], "--ids"),
+                       (["bench", str(default_artifact), "--prompt-lens", "2000", "--no-baselines"], "--prompt-lens"),
                        (["build", "-o", str(tmp_path / "m.kvx"), "--max-seq", "-5", "--no-verify"], "--max-seq")):
         p = kvx(*args, ok=False)
         assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
