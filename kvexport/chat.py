@@ -164,7 +164,8 @@ def run_chat_ids(engine: Any, prompt: str, history: str | Path | None = None) ->
     template = engine_template(engine)
     if template is None:
         raise InputError(f"{engine.folder} carries no chat template (the checkpoint had no chat_template in "
-                         "tokenizer_config.json and no chat_template.jinja); run without --chat")
+                         "tokenizer_config.json and no chat_template.jinja): run without --chat and --messages, "
+                         "and the prompt goes in as plain text")
     messages: list[dict[str, Any]] = []
     if history is not None:
         try:

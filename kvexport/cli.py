@@ -655,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     with _Notices(args.command, getattr(args, "verbose", False)):
         try:
+            if (getattr(args, "threads", None) or 0) < 0:
+                raise InputError(f"--threads must be 1 or more (or left out, or 0, for the target's default), "
+                                 f"got {args.threads}")
             return int(args.fn(args))
         except KvexportError as e:
             _Progress.close_all()

@@ -68,9 +68,13 @@ def test_counts_and_ids_refused_by_the_cli(default_artifact: Path, tmp_path: Pat
     engine = kvexport.load(default_artifact)
     with pytest.raises(InputError, match="max_new_tokens must be >= 0"):
         engine.prefill([72, 105], -1)
+    messages = tmp_path / "messages.json"
+    messages.write_text('[{"role": "user", "content": "hi"}]')
     for args, flag in ((["bench", str(default_artifact), "--new-tokens", "0", "--no-baselines"], "--new-tokens"),
+                       (["run", str(default_artifact), "--prompt", "x", "--messages", str(messages)], "--messages"),
                        (["verify", str(default_artifact), "--reference", str(tmp_path), "--steps", "-1"], "decode step"),
                        (["run", str(default_artifact), "--prompt", "1,a", "--ids"], "--ids"),
+                       (["run", str(default_artifact), "--prompt", "x", "--threads", "-2"], "--threads"),
                        (["bench", str(default_artifact), "--prompt-lens", "2000", "--no-baselines"], "--prompt-lens"),
                        (["build", "-o", str(tmp_path / "m.kvx"), "--max-seq", "-5", "--no-verify"], "--max-seq")):
         p = kvx(*args, ok=False)
