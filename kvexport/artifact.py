@@ -147,8 +147,7 @@ def export_artifact(
     if out.exists() and not overwrite:
         raise InputError(f"{out} exists; pass --force to replace it")
     mf.check_output(out, Path(model_dir))
-    if max_seq is not None and max_seq < 1:
-        raise InputError(f"--max-seq must be at least 1 (or left out for the model's max_position_embeddings), got {max_seq}")
+    mf.check_max_seq(max_seq)
     say(f"reading {model_dir}")
     ck = load_checkpoint(model_dir, max_seq=max_seq)
     max_seq = ck.decoder.max_seq

@@ -12,7 +12,7 @@ from kvexport import backends
 from kvexport.backends import BuildOptions
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import BackendUnavailableError, InputError, NumericsMismatchError
-from kvexport.manifest import check_output
+from kvexport.manifest import check_max_seq, check_output
 from kvexport.precision import ALIASES, Resolved, record, resolve
 
 Progress = Callable[[str], None]
@@ -44,8 +44,7 @@ def build(
     if verify:  # the row first: it needs no import of transformers
         _require_tolerance_row(target, resolved)
         _require_verify_reference()
-    if max_seq is not None and max_seq < 1:
-        raise InputError(f"--max-seq must be at least 1 (or left out for the model's max_position_embeddings), got {max_seq}")
+    check_max_seq(max_seq)
     out = Path(out)
     check_output(out, Path(model_dir) if model_dir is not None else None)
     # torch and the ONNX exporter load only now: a refused build answers in a second, not after their import

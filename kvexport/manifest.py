@@ -140,6 +140,12 @@ def read(folder: Path) -> Manifest:
     return Manifest(raw)
 
 
+def check_max_seq(max_seq: int | None) -> None:
+    """Refuse a cache capacity below one slot (None: the model's own max_position_embeddings)."""
+    if max_seq is not None and max_seq < 1:
+        raise InputError(f"--max-seq must be at least 1 (or left out for the model's max_position_embeddings), got {max_seq}")
+
+
 def check_output(out: Path, source: Path | None = None) -> None:
     """Refuse an output folder whose replacing would lose data, before any work: `out` may be new, an empty
     folder or an earlier kvexport artifact (it holds manifest.json), which the finished one then replaces. A
