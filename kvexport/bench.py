@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvexport.config import DecoderConfig
+from kvexport.native import Kernel
 from kvexport.precision import kv_of
 from kvexport.runtime.engine import Engine
 from kvexport.runtime.hugepages import Placement
@@ -172,7 +173,7 @@ class GemvFloor:
     The weights go through an external-data file so no 2 GB protobuf is built in memory."""
 
     def __init__(self, cfg: DecoderConfig | None, threads: int, seed: int = 0, gemvs: list[Gemv] | None = None,
-                 huge_pages: bool = True):
+                 huge_pages: bool = True, q4: Kernel | None = None):
         import onnx
         from onnx import TensorProto, helper
 
@@ -228,7 +229,11 @@ class GemvFloor:
             # ONNX Runtime pre-packs each weight into memory of its own while the session is made; that memory
             # is placed as the cpu engine's is (huge pages where the system allows), or the floor would not be
             # the same matrices read the same way
-            self.sess, self.huge_pages = open_ort_session(Path(tmp) / "floor.onnx", threads, huge_pages)
+            # and its 4-bit matrices run the kernel the engine's run (`q4`: kvexport's where the engine swapped it in)
+            self.sess, self.huge_pages, self.swapped = open_ort_session(Path(tmp) / "floor.onnx", threads,
+                                                                        huge_pages, q4=q4)
+            if self.swapped:
+                self.label += " (kvexport MatMulQ4)"
         self.binding = self.sess.io_binding()
         self._buffers = [rng.standard_normal((1, k), dtype=np.float32) for k in ks]
         for k, x in zip(ks, self._buffers):
@@ -274,13 +279,17 @@ class Floors:
         self.floor_of: dict[str, str] = {}  # engine key -> label
 
     def add(self, key: str, engine: Engine) -> GemvFloor:
+        from kvexport import native
+
         gemvs = engine_gemvs(engine)
-        label = floor_label(gemvs)
+        q4 = (getattr(engine.session, "q4", None) or {}).get("nodes", 0) > 0  # the engine runs kvexport's kernel
+        label = floor_label(gemvs) + (" (kvexport MatMulQ4)" if q4 else "")
         if label not in self.floors:
             self.say(f"preparing the {label} GEMV floor (the step's weight matrices alone, in ONNX Runtime)")
             placed = placement(engine)
             self.floors[label] = GemvFloor(None, self.threads, gemvs=gemvs,
-                                           huge_pages=placed.asked if placed is not None else True)
+                                           huge_pages=placed.asked if placed is not None else True,
+                                           q4=native.kernel() if q4 else None)
         self.floor_of[key] = label
         return self.floors[label]
 

@@ -1,0 +1,432 @@
+/* kvexport's 4-bit weight matmul for ONNX Runtime's CPU execution provider.
+ *
+ * Op `MatMulQ4` in domain `ai.kvexport`: the inputs and attributes of com.microsoft `MatMulNBits` with bits 4,
+ * symmetric blocks (no zero points: a nibble q stands for (q - 8) * scale), float scales, block_size a multiple of
+ * 32 and K a multiple of 32: Y[M, N] = A[M, K] @ dequant(B)^T. kvexport.runtime.native swaps it in for such
+ * MatMulNBits nodes when an engine is loaded; the artifact on disk keeps the standard op.
+ *
+ * Why: at batch 1 a decode step streams every weight once, and ONNX Runtime's 4-bit kernel (MLAS, int8 compute)
+ * reads its blocks well below the memory's rate on the CPUs measured (docs/performance.md). Here the weights are
+ * repacked once, when the session is made, so that one 512-bit load holds 16 output rows x 4 k-steps of nibble
+ * pairs: the dot products then need no horizontal reduction (one VNNI dpbusd per 16 rows x 4 values), and a row
+ * group's block scales are one vector load. Activations are quantized to int8 per 32-block, as MLAS does at
+ * accuracy_level 4, so the numerics are those of the engine's MatMulNBits up to rounding order.
+ *
+ * Packed layout, for row group g (rows 16g..16g+15, zero-padded past N) and 32-block b:
+ *   weights: 256 bytes at ((g * nb) + b) * 256; byte [j * 64 + r * 4 + i] holds, for row r, the value at
+ *            k = 32b + 8j + i in its low nibble and k = 32b + 8j + 4 + i in its high nibble (j, i in 0..3);
+ *   scales:  16 floats at ((g * nb) + b) * 16, one per row.
+ *
+ * Threading: ONNX Runtime's intra-op pool (KernelContext_ParallelFor), so `intra_op_num_threads` holds.
+ */
+#define _GNU_SOURCE /* madvise, MADV_HUGEPAGE */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <immintrin.h>
+#include <sys/mman.h>
+
+#include "onnxruntime_c_api.h"
+
+#define ROWS 16
+#define QBLK 32
+#define MTILE 64
+
+static const OrtApi *g_ort = NULL;
+
+typedef struct {
+  int64_t K, N, nb, groups;
+  uint8_t *w;    /* groups * nb * 256 */
+  float *scale;  /* groups * nb * 16 */
+  int isa;       /* 2: AVX512-VNNI, 1: AVX2 + FMA */
+} Q4Kernel;
+
+/* ---------------------------------------------------------------- activation quantization (per 32-block) */
+
+static void quantize_rows(const float *a, int64_t rows, int64_t K, int8_t *q, float *s, int32_t *zsum) {
+  const int64_t nb = K / QBLK;
+  for (int64_t m = 0; m < rows; m++) {
+    for (int64_t b = 0; b < nb; b++) {
+      const float *x = a + m * K + b * QBLK;
+      float amax = 0.f;
+      for (int i = 0; i < QBLK; i++) {
+        float v = fabsf(x[i]);
+        amax = v > amax ? v : amax;
+      }
+      float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      int8_t *qo = q + m * K + b * QBLK;
+      for (int i = 0; i < QBLK; i++) {
+        int v = (int)lrintf(x[i] * inv);
+        v = v > 127 ? 127 : (v < -127 ? -127 : v);
+        qo[i] = (int8_t)v;
+        sum += v;
+      }
+      s[m * nb + b] = scale;
+      zsum[m * nb + b] = 8 * sum; /* the nibbles' offset of 8, taken off once per block */
+    }
+  }
+}
+
+/* ---------------------------------------------------------------- kernels: row groups [g0, g1) x rows [m0, m1) */
+
+typedef struct {
+  const Q4Kernel *k;
+  const int8_t *q;
+  const float *s;
+  const int32_t *zsum;
+  float *y;
+  int64_t M, chunks_g, gchunk, mtiles;
+} Job;
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void run_avx512(const Job *J, int64_t g0, int64_t g1,
+                                                                               int64_t m0, int64_t m1) {
+  const Q4Kernel *k = J->k;
+  const int64_t nb = k->nb, K = k->K, N = k->N;
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MTILE];
+  for (int64_t g = g0; g < g1; g++) {
+    const uint8_t *w = k->w + g * nb * 256;
+    const float *ws = k->scale + g * nb * ROWS;
+    for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t *wb = w + b * 256;
+      _mm_prefetch((const char *)(wb + 1024), _MM_HINT_T0);
+      _mm_prefetch((const char *)(wb + 1024 + 64), _MM_HINT_T0);
+      _mm_prefetch((const char *)(wb + 1024 + 128), _MM_HINT_T0);
+      _mm_prefetch((const char *)(wb + 1024 + 192), _MM_HINT_T0);
+      __m512i v0 = _mm512_loadu_si512(wb), v1 = _mm512_loadu_si512(wb + 64);
+      __m512i v2 = _mm512_loadu_si512(wb + 128), v3 = _mm512_loadu_si512(wb + 192);
+      __m512i w0 = _mm512_and_si512(v0, lo4), w1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), lo4);
+      __m512i w2 = _mm512_and_si512(v1, lo4), w3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), lo4);
+      __m512i w4 = _mm512_and_si512(v2, lo4), w5 = _mm512_and_si512(_mm512_srli_epi16(v2, 4), lo4);
+      __m512i w6 = _mm512_and_si512(v3, lo4), w7 = _mm512_and_si512(_mm512_srli_epi16(v3, 4), lo4);
+      const __m512 sw = _mm512_loadu_ps(ws + b * ROWS);
+      for (int64_t m = m0; m < m1; m++) {
+        const int32_t *x = (const int32_t *)(J->q + m * K + b * QBLK);
+        __m512i d = _mm512_set1_epi32(-J->zsum[m * nb + b]);
+        d = _mm512_dpbusd_epi32(d, w0, _mm512_set1_epi32(x[0]));
+        d = _mm512_dpbusd_epi32(d, w1, _mm512_set1_epi32(x[1]));
+        d = _mm512_dpbusd_epi32(d, w2, _mm512_set1_epi32(x[2]));
+        d = _mm512_dpbusd_epi32(d, w3, _mm512_set1_epi32(x[3]));
+        d = _mm512_dpbusd_epi32(d, w4, _mm512_set1_epi32(x[4]));
+        d = _mm512_dpbusd_epi32(d, w5, _mm512_set1_epi32(x[5]));
+        d = _mm512_dpbusd_epi32(d, w6, _mm512_set1_epi32(x[6]));
+        d = _mm512_dpbusd_epi32(d, w7, _mm512_set1_epi32(x[7]));
+        const __m512 sc = _mm512_mul_ps(sw, _mm512_set1_ps(J->s[m * nb + b]));
+        acc[m - m0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[m - m0]);
+      }
+    }
+    const int64_t n0 = g * ROWS, rows = N - n0 < ROWS ? N - n0 : ROWS;
+    const __mmask16 mask = (__mmask16)((1u << rows) - 1u);
+    for (int64_t m = m0; m < m1; m++) _mm512_mask_storeu_ps(J->y + m * N + n0, mask, acc[m - m0]);
+  }
+}
+
+/* AVX2: the same packed layout, each 64-byte vector taken as two halves of 8 rows; u8 x s8 through maddubs (no
+ * saturation: |15 * 127 * 2| < 32767) and madd with ones. */
+__attribute__((target("avx2,fma"))) static inline __m256i dot4_avx2(__m256i w, int32_t x, __m256i ones) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)), ones);
+}
+
+__attribute__((target("avx2,fma"))) static void run_avx2(const Job *J, int64_t g0, int64_t g1, int64_t m0,
+                                                         int64_t m1) {
+  const Q4Kernel *k = J->k;
+  const int64_t nb = k->nb, K = k->K, N = k->N;
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MTILE][2];
+  float tmp[ROWS];
+  for (int64_t g = g0; g < g1; g++) {
+    const uint8_t *w = k->w + g * nb * 256;
+    const float *ws = k->scale + g * nb * ROWS;
+    for (int64_t m = m0; m < m1; m++) acc[m - m0][0] = acc[m - m0][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t *wb = w + b * 256;
+      _mm_prefetch((const char *)(wb + 1024), _MM_HINT_T0);
+      _mm_prefetch((const char *)(wb + 1024 + 64), _MM_HINT_T0);
+      _mm_prefetch((const char *)(wb + 1024 + 128), _MM_HINT_T0);
+      _mm_prefetch((const char *)(wb + 1024 + 192), _MM_HINT_T0);
+      for (int h = 0; h < 2; h++) {
+        __m256i u[8];
+        for (int j = 0; j < 4; j++) {
+          __m256i v = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + h * 32));
+          u[2 * j] = _mm256_and_si256(v, lo4);
+          u[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        }
+        const __m256 sw = _mm256_loadu_ps(ws + b * ROWS + h * 8);
+        for (int64_t m = m0; m < m1; m++) {
+          const int32_t *x = (const int32_t *)(J->q + m * K + b * QBLK);
+          __m256i d = _mm256_set1_epi32(-J->zsum[m * nb + b]);
+          for (int j = 0; j < 8; j++) d = _mm256_add_epi32(d, dot4_avx2(u[j], x[j], ones));
+          const __m256 sc = _mm256_mul_ps(sw, _mm256_set1_ps(J->s[m * nb + b]));
+          acc[m - m0][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[m - m0][h]);
+        }
+      }
+    }
+    const int64_t n0 = g * ROWS, rows = N - n0 < ROWS ? N - n0 : ROWS;
+    for (int64_t m = m0; m < m1; m++) {
+      _mm256_storeu_ps(tmp, acc[m - m0][0]);
+      _mm256_storeu_ps(tmp + 8, acc[m - m0][1]);
+      memcpy(J->y + m * N + n0, tmp, (size_t)rows * sizeof(float));
+    }
+  }
+}
+
+static void job_part(void *data, size_t i) {
+  const Job *J = (const Job *)data;
+  const int64_t mt = (int64_t)i / J->chunks_g, gc = (int64_t)i % J->chunks_g;
+  const int64_t g0 = gc * J->gchunk, g1 = g0 + J->gchunk < J->k->groups ? g0 + J->gchunk : J->k->groups;
+  const int64_t m0 = mt * MTILE, m1 = m0 + MTILE < J->M ? m0 + MTILE : J->M;
+  if (J->k->isa == 2)
+    run_avx512(J, g0, g1, m0, m1);
+  else
+    run_avx2(J, g0, g1, m0, m1);
+}
+
+/* ---------------------------------------------------------------- ONNX Runtime glue */
+
+/* KVEXPORT_Q4_ISA=avx2 takes the AVX2 kernel on a CPU that has AVX512-VNNI too (tests run both where they can). */
+static int cpu_isa(void) {
+  __builtin_cpu_init();
+  const char *ask = getenv("KVEXPORT_Q4_ISA");
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni") && !(ask != NULL && strcmp(ask, "avx2") == 0))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+  return 0;
+}
+
+#define RETURN_IF(status_expr)          \
+  do {                                  \
+    OrtStatus *st_ = (status_expr);     \
+    if (st_ != NULL) return st_;        \
+  } while (0)
+
+static OrtStatus *fail(const char *msg) { return g_ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
+
+static OrtStatus *tensor_dims(const OrtValue *v, int64_t *dims, size_t *rank, ONNXTensorElementDataType *type) {
+  OrtTensorTypeAndShapeInfo *info = NULL;
+  RETURN_IF(g_ort->GetTensorTypeAndShape(v, &info));
+  OrtStatus *st = g_ort->GetDimensionsCount(info, rank);
+  if (st == NULL && *rank > 8) st = fail("MatMulQ4: tensor of rank above 8");
+  if (st == NULL) st = g_ort->GetDimensions(info, dims, *rank);
+  if (st == NULL && type != NULL) st = g_ort->GetTensorElementType(info, type);
+  g_ort->ReleaseTensorTypeAndShapeInfo(info);
+  return st;
+}
+
+static void free_kernel(Q4Kernel *k) {
+  if (k == NULL) return;
+  free(k->w);
+  free(k->scale);
+  free(k);
+}
+
+/* Memory for the packed weights: 2 MiB aligned and marked for transparent huge pages before it is first written,
+ * so that a step's stream of weights takes few TLB misses (where the system's THP mode is `madvise` or `always`;
+ * elsewhere the advice is ignored). */
+static void *alloc_packed(size_t bytes) {
+  const size_t huge = (size_t)2 << 20;
+  void *p = NULL;
+  if (bytes < huge) return aligned_alloc(64, (bytes + 63) / 64 * 64);
+  bytes = (bytes + huge - 1) / huge * huge;
+  if (posix_memalign(&p, huge, bytes) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+  madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+  return p;
+}
+
+static OrtStatus *repack(Q4Kernel *k, const uint8_t *B, const float *S, int64_t block) {
+  const int64_t nb = k->nb, per = block / QBLK, bytes_row = k->K / 2, sblocks = k->K / block;
+  k->w = (uint8_t *)alloc_packed((size_t)(k->groups * nb * 256));
+  k->scale = (float *)alloc_packed((size_t)(k->groups * nb * ROWS * sizeof(float)));
+  if (k->w == NULL || k->scale == NULL) return g_ort->CreateStatus(ORT_FAIL, "MatMulQ4: out of memory");
+  memset(k->w, 0x88, (size_t)(k->groups * nb * 256)); /* padding rows: nibble 8 is zero */
+  memset(k->scale, 0, (size_t)(k->groups * nb * ROWS * sizeof(float)));
+  for (int64_t n = 0; n < k->N; n++) {
+    const int64_t g = n / ROWS, r = n % ROWS;
+    const uint8_t *row = B + n * bytes_row; /* MatMulNBits: element k in byte k/2, low nibble first */
+    for (int64_t b = 0; b < nb; b++) {
+      uint8_t q[QBLK];
+      for (int i = 0; i < QBLK / 2; i++) {
+        q[2 * i] = row[b * 16 + i] & 0x0F;
+        q[2 * i + 1] = row[b * 16 + i] >> 4;
+      }
+      uint8_t *dst = k->w + (g * nb + b) * 256 + r * 4;
+      for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) dst[j * 64 + i] = (uint8_t)(q[8 * j + i] | (q[8 * j + 4 + i] << 4));
+      k->scale[(g * nb + b) * ROWS + r] = S[n * sblocks + b / per];
+    }
+  }
+  return NULL;
+}
+
+static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info,
+                                             void **out) {
+  (void)op;
+  (void)api;
+  int64_t K = 0, N = 0, bits = 0, block = 0;
+  RETURN_IF(g_ort->KernelInfoGetAttribute_int64(info, "K", &K));
+  RETURN_IF(g_ort->KernelInfoGetAttribute_int64(info, "N", &N));
+  RETURN_IF(g_ort->KernelInfoGetAttribute_int64(info, "bits", &bits));
+  RETURN_IF(g_ort->KernelInfoGetAttribute_int64(info, "block_size", &block));
+  if (bits != 4) return fail("MatMulQ4: bits must be 4");
+  if (block < QBLK || block % QBLK != 0 || K % block != 0) return fail("MatMulQ4: block_size must be a multiple of 32 dividing K");
+  const int isa = cpu_isa();
+  if (isa == 0) return fail("MatMulQ4: this CPU has neither AVX512-VNNI nor AVX2+FMA");
+  const OrtValue *bv = NULL, *sv = NULL;
+  int bconst = 0, sconst = 0;
+  RETURN_IF(g_ort->KernelInfoGetConstantInput_tensor(info, 1, &bconst, &bv));
+  RETURN_IF(g_ort->KernelInfoGetConstantInput_tensor(info, 2, &sconst, &sv));
+  if (!bconst || !sconst || bv == NULL || sv == NULL) return fail("MatMulQ4: weights and scales must be initializers");
+  int64_t dims[8];
+  size_t rank = 0;
+  ONNXTensorElementDataType type;
+  int64_t count = 1;
+  RETURN_IF(tensor_dims(bv, dims, &rank, &type));
+  for (size_t i = 0; i < rank; i++) count *= dims[i];
+  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || count != N * K / 2) return fail("MatMulQ4: B is not N x K/2 uint8");
+  RETURN_IF(tensor_dims(sv, dims, &rank, &type));
+  count = 1;
+  for (size_t i = 0; i < rank; i++) count *= dims[i];
+  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || count != N * (K / block)) return fail("MatMulQ4: scales are not N x K/block_size float");
+  void *bp = NULL, *sp = NULL;
+  RETURN_IF(g_ort->GetTensorMutableData((OrtValue *)bv, &bp));
+  RETURN_IF(g_ort->GetTensorMutableData((OrtValue *)sv, &sp));
+  Q4Kernel *k = (Q4Kernel *)calloc(1, sizeof(Q4Kernel));
+  if (k == NULL) return g_ort->CreateStatus(ORT_FAIL, "MatMulQ4: out of memory");
+  k->K = K;
+  k->N = N;
+  k->nb = K / QBLK;
+  k->groups = (N + ROWS - 1) / ROWS;
+  k->isa = isa;
+  OrtStatus *st = repack(k, (const uint8_t *)bp, (const float *)sp, block);
+  if (st != NULL) {
+    free_kernel(k);
+    return st;
+  }
+  *out = k;
+  return NULL;
+}
+
+static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
+  const Q4Kernel *k = (const Q4Kernel *)kernel;
+  const OrtValue *av = NULL;
+  RETURN_IF(g_ort->KernelContext_GetInput(ctx, 0, &av));
+  int64_t dims[8];
+  size_t rank = 0;
+  ONNXTensorElementDataType type;
+  RETURN_IF(tensor_dims(av, dims, &rank, &type));
+  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return fail("MatMulQ4: A must be float");
+  if (rank < 1 || dims[rank - 1] != k->K) return fail("MatMulQ4: A's last dimension is not K");
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < rank; i++) M *= dims[i];
+  dims[rank - 1] = k->N;
+  OrtValue *yv = NULL;
+  RETURN_IF(g_ort->KernelContext_GetOutput(ctx, 0, dims, rank, &yv));
+  if (M == 0) return NULL;
+  void *ap = NULL, *yp = NULL;
+  RETURN_IF(g_ort->GetTensorMutableData((OrtValue *)av, &ap));
+  RETURN_IF(g_ort->GetTensorMutableData(yv, &yp));
+  const int64_t nb = k->nb;
+  int8_t *q = (int8_t *)malloc((size_t)(M * k->K) + (size_t)(M * nb) * (sizeof(float) + sizeof(int32_t)));
+  if (q == NULL) return g_ort->CreateStatus(ORT_FAIL, "MatMulQ4: out of memory");
+  float *s = (float *)(q + M * k->K);
+  int32_t *zsum = (int32_t *)(s + M * nb);
+  quantize_rows((const float *)ap, M, k->K, q, s, zsum);
+  Job J = {k, q, s, zsum, (float *)yp, M, 0, 0, (M + MTILE - 1) / MTILE};
+  /* 8 row groups (128 rows) a task: enough tasks to balance two to a few dozen threads, few enough to keep
+   * each one's weights a long sequential stream */
+  J.gchunk = 8;
+  J.chunks_g = (k->groups + J.gchunk - 1) / J.gchunk;
+  OrtStatus *st = g_ort->KernelContext_ParallelFor(ctx, job_part, (size_t)(J.chunks_g * J.mtiles), 0, &J);
+  free(q);
+  return st;
+}
+
+static void ORT_API_CALL destroy(void *kernel) { free_kernel((Q4Kernel *)kernel); }
+
+static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
+  (void)op;
+  return "MatMulQ4";
+}
+static const char *ORT_API_CALL op_ep(const OrtCustomOp *op) {
+  (void)op;
+  return "CPUExecutionProvider";
+}
+static ONNXTensorElementDataType ORT_API_CALL in_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static size_t ORT_API_CALL in_count(const OrtCustomOp *op) {
+  (void)op;
+  return 3;
+}
+static ONNXTensorElementDataType ORT_API_CALL out_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static size_t ORT_API_CALL out_count(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL io_required(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return INPUT_OUTPUT_REQUIRED;
+}
+static OrtMemType ORT_API_CALL in_mem(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return OrtMemTypeDefault;
+}
+static int ORT_API_CALL one(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static int ORT_API_CALL start_version(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static int ORT_API_CALL end_version(const OrtCustomOp *op) {
+  (void)op;
+  return 0x7fffffff;
+}
+
+static OrtCustomOp g_op;
+static OrtCustomOpDomain *g_domain = NULL;
+
+/* Entry point for SessionOptions.register_custom_ops_library. */
+OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+  if (g_ort == NULL) {
+    g_ort = base->GetApi(ORT_API_VERSION);
+    if (g_ort == NULL) return NULL; /* cannot even make a status: ONNX Runtime older than the header */
+    memset(&g_op, 0, sizeof(g_op));
+    g_op.version = ORT_API_VERSION;
+    g_op.GetName = op_name;
+    g_op.GetExecutionProviderType = op_ep;
+    g_op.GetInputType = in_type;
+    g_op.GetInputTypeCount = in_count;
+    g_op.GetOutputType = out_type;
+    g_op.GetOutputTypeCount = out_count;
+    g_op.GetInputCharacteristic = io_required;
+    g_op.GetOutputCharacteristic = io_required;
+    g_op.GetInputMemoryType = in_mem;
+    g_op.GetVariadicInputMinArity = one;
+    g_op.GetVariadicInputHomogeneity = one;
+    g_op.GetVariadicOutputMinArity = one;
+    g_op.GetVariadicOutputHomogeneity = one;
+    g_op.CreateKernelV2 = create_kernel;
+    g_op.KernelComputeV2 = compute;
+    g_op.KernelDestroy = destroy;
+    g_op.GetStartVersion = start_version;
+    g_op.GetEndVersion = end_version;
+    RETURN_IF(g_ort->CreateCustomOpDomain("ai.kvexport", &g_domain));
+    RETURN_IF(g_ort->CustomOpDomain_Add(g_domain, &g_op));
+  }
+  return g_ort->AddCustomOpDomain(options, g_domain);
+}

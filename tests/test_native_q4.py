@@ -1,0 +1,178 @@
+"""kvexport's native 4-bit matmul (kvexport/native): the op against ONNX Runtime's MatMulNBits on the same packed
+weights, the load-time swap, and an int4 engine loaded with and without it.
+
+The kernel runs where the library was built at install and the CPU has AVX512-VNNI or AVX2+FMA: each ISA's test
+runs where the CPU has that ISA (both kernels on an AVX-512 CPU, through KVEXPORT_Q4_ISA=avx2) and is skipped
+elsewhere. CI (.ci/run) builds the library and sets KVEXPORT_REQUIRE_NATIVE, so there a missing library fails
+these tests instead of skipping them."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvexport import native
+from kvexport.doctor import read_cpu_flags
+
+FLAGS = read_cpu_flags()
+HAVE = {"avx512-vnni": native.isa_of(FLAGS) == "avx512-vnni", "avx2": bool(native.isa_of(FLAGS))}
+
+
+def _built() -> None:
+    if not native.LIBRARY.is_file():
+        if os.environ.get(native.REQUIRE_ENV):
+            pytest.fail(f"{native.LIBRARY} was not built and {native.REQUIRE_ENV} is set")
+        pytest.skip("the native library was not built at install (no ONNX Runtime headers): see setup.py")
+
+
+def _isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _built()
+    if not HAVE[isa]:
+        pytest.skip(f"this CPU lacks {isa}")
+    if isa == "avx2":
+        monkeypatch.setenv(native.ISA_ENV, "avx2")
+    else:
+        monkeypatch.delenv(native.ISA_ENV, raising=False)
+
+
+def _graph(op: str, domain: str, k: int, n: int, block: int, b: np.ndarray, s: np.ndarray, **extra: int) -> bytes:
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = helper.make_node(op, ["A", "B", "S"], ["Y"], domain=domain, K=k, N=n, bits=4, block_size=block, **extra)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+                          [numpy_helper.from_array(b, "B"), numpy_helper.from_array(s, "S")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)])
+    m.ir_version = 10
+    return m.SerializeToString()
+
+
+def _session(model: bytes, custom: bool):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    if custom:
+        so.register_custom_ops_library(str(native.LIBRARY))
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("isa", ["avx512-vnni", "avx2"])
+@pytest.mark.parametrize("k,n,block", [(64, 40, 32), (1024, 300, 32), (256, 130, 128), (512, 16, 64)])
+def test_the_op_computes_what_matmulnbits_computes_from_the_same_bytes(isa: str, k: int, n: int, block: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against the exact product of the dequantized weights (MatMulNBits at accuracy_level 0), the op's error is
+    that of int8 activations per 32-block, MatMulNBits' own at accuracy_level 4: at blocks of 32 the two agree to
+    summation order, at wider blocks (the scale spread over 32-blocks) within the same bound. N is not a multiple
+    of the kernel's 16 rows and M crosses its 64-row tiles."""
+    _isa(isa, monkeypatch)
+    rng = np.random.default_rng(k + n)
+    b = rng.integers(0, 256, (n, k // block, block // 2), dtype=np.uint8)
+    s = (rng.random(n * (k // block), dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
+    ours = _session(_graph(native.OP, native.DOMAIN, k, n, block, b, s), custom=True)
+    exact = _session(_graph("MatMulNBits", "com.microsoft", k, n, block, b, s, accuracy_level=0), custom=False)
+    acc4 = _session(_graph("MatMulNBits", "com.microsoft", k, n, block, b, s, accuracy_level=4), custom=False)
+    for m in (1, 3, 65, 130):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        y, ref, r4 = (x.run(None, {"A": a})[0] for x in (ours, exact, acc4))
+        assert y.shape == (m, n)
+        scale = np.abs(ref).max()
+        ours_err, acc4_err = np.abs(y - ref).max() / scale, np.abs(r4 - ref).max() / scale
+        assert ours_err < 0.02 and ours_err <= 1.5 * acc4_err + 1e-6, (m, ours_err, acc4_err)
+        if block == 32:
+            assert np.abs(y - r4).max() / scale < 1e-4
+
+
+def test_the_op_refuses_what_it_does_not_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    _built()
+    if not HAVE["avx2"]:
+        pytest.skip("this CPU runs neither kernel")
+    rng = np.random.default_rng(0)
+    b = rng.integers(0, 256, (8, 3, 8), dtype=np.uint8)  # blocks of 16
+    s = np.ones(8 * 3, np.float32)
+    with pytest.raises(Exception, match="block_size must be a multiple of 32"):
+        _session(_graph(native.OP, native.DOMAIN, 48, 8, 16, b, s), custom=True)
+
+
+def test_swap_takes_only_the_nodes_the_kernel_computes() -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    def q(name: str, bits: int = 4, block: int = 32, k: int = 64, zp: bool = False, scales=np.float32):
+        w = numpy_helper.from_array(np.zeros((8, k // block, block * bits // 8), np.uint8), f"{name}_w")
+        sc = numpy_helper.from_array(np.ones(8 * (k // block), scales), f"{name}_s")
+        inits = [w, sc]
+        ins = ["x", w.name, sc.name]
+        if zp:
+            inits.append(numpy_helper.from_array(np.zeros(8, np.uint8), f"{name}_z"))
+            ins.append(f"{name}_z")
+        node = helper.make_node("MatMulNBits", ins, [name], domain="com.microsoft", K=k, N=8, bits=bits,
+                                block_size=block, accuracy_level=4)
+        return node, inits
+
+    parts = [q("ok"), q("ok128", block=64, k=128), q("eight", bits=8), q("sixteen", block=16), q("zp", zp=True),
+             q("half", scales=np.float16)]
+    graph = helper.make_graph([p[0] for p in parts], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [], [t for p in parts for t in p[1]])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    assert native.swap(model) == 2
+    kinds = {n.output[0]: (n.domain, n.op_type) for n in model.graph.node}
+    assert kinds["ok"] == kinds["ok128"] == (native.DOMAIN, native.OP)
+    assert all(kinds[x] == ("com.microsoft", "MatMulNBits") for x in ("eight", "sixteen", "zp", "half"))
+    swapped = next(n for n in model.graph.node if n.output[0] == "ok")
+    assert {a.name for a in swapped.attribute} == {"K", "N", "bits", "block_size"}
+    assert any(o.domain == native.DOMAIN for o in model.opset_import)
+
+
+def test_a_missing_library_falls_back_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvexport.errors import BackendUnavailableError
+
+    monkeypatch.delenv(native.REQUIRE_ENV, raising=False)
+    k = native.kernel(FLAGS, library=tmp_path / "absent.so")
+    assert not k.usable and "fetch_ort_headers.sh" in k.why
+    assert k.record()["kernel"] == "onnxruntime MatMulNBits"
+    monkeypatch.setenv(native.REQUIRE_ENV, "1")
+    with pytest.raises(BackendUnavailableError, match=native.REQUIRE_ENV):
+        native.kernel(FLAGS, library=tmp_path / "absent.so")
+    assert not native.kernel({"sse4_2"}).usable or not native.LIBRARY.is_file()
+    if native.LIBRARY.is_file():
+        assert "neither" in native.kernel({"sse4_2"}).why
+
+
+@pytest.fixture(scope="module")
+def int4_artifact(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+
+    return build(checkpoints["llama"], tmp_path_factory.mktemp("q4") / "int4.kvx", target="cpu", max_seq=64,
+                 verify=False, options=BuildOptions(weights="int4", group_size=32))
+
+
+@pytest.mark.parametrize("isa", ["avx512-vnni", "avx2"])
+def test_an_int4_engine_decodes_the_same_with_the_native_kernel(isa: str, int4_artifact: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same artifact loaded with the kernel swapped in and with ONNX Runtime's own: the same greedy tokens
+    over 24 steps and logits within int8-activation rounding; the load records which kernel ran."""
+    import kvexport
+    from kvexport.errors import InputError
+
+    _isa(isa, monkeypatch)
+    ours = kvexport.load(str(int4_artifact), threads=2)
+    theirs = kvexport.load(str(int4_artifact), threads=2, native_q4="false")
+    rec = ours.session.describe()["int4_matmul"]
+    assert rec["kernel"] == f"kvexport MatMulQ4 ({isa})" and rec["nodes"] > 0
+    assert theirs.session.describe()["int4_matmul"] == {"kernel": "onnxruntime MatMulNBits", "nodes": 0,
+                                                        "why": "off (load option native_q4=false)"}
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, 200, 20)]
+    a, b = ours.prefill(prompt, 25), theirs.prefill(prompt, 25)
+    ta, tb = a.logits.argmax(-1), b.logits.argmax(-1)
+    worst = float(np.abs(a.logits - b.logits).max() / np.abs(b.logits).max())
+    for _ in range(24):
+        assert (ta == tb).all()
+        la, lb = ours.decode(a, ta), theirs.decode(b, tb)
+        worst = max(worst, float(np.abs(la - lb).max() / np.abs(lb).max()))
+        ta, tb = la.argmax(-1), lb.argmax(-1)
+    assert worst < 1e-3
+    with pytest.raises(InputError, match="native_q4"):
+        kvexport.load(str(int4_artifact), native_q4="maybe")
