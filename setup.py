@@ -1,4 +1,4 @@
-"""Builds kvexport's native 4-bit matmul for ONNX Runtime (kvexport/native/q4matmul.c) beside the package.
+"""Builds kvexport's native quantized matmul for ONNX Runtime (kvexport/native/qmatmul.c) beside the package.
 
 Everything else is declared in pyproject.toml. The library needs ONNX Runtime's C API headers, which the
 onnxruntime wheel does not ship: they are taken from $KVEXPORT_ORT_INCLUDE, else from build/ort-include/
@@ -28,7 +28,7 @@ class BuildNative(build_ext):
         include = ort_headers()
         if include is None:
             print("kvexport: ONNX Runtime C API headers not found (set KVEXPORT_ORT_INCLUDE or run "
-                  "kvexport/native/fetch_ort_headers.sh): the native 4-bit matmul is not built", file=sys.stderr)
+                  "kvexport/native/fetch_ort_headers.sh): the native quantized matmul is not built", file=sys.stderr)
             self.extensions = []
             return
         for ext in self.extensions:
@@ -36,7 +36,7 @@ class BuildNative(build_ext):
         try:
             super().build_extensions()
         except Exception as e:  # no compiler, or one without the intrinsics: the engines fall back
-            print(f"kvexport: the native 4-bit matmul did not build ({e}); cpu engines use ONNX Runtime's kernel",
+            print(f"kvexport: the native quantized matmul did not build ({e}); cpu engines use ONNX Runtime's kernel",
                   file=sys.stderr)
             self.extensions = []
 
@@ -46,7 +46,7 @@ class BuildNative(build_ext):
 
 
 setup(
-    ext_modules=[Extension("kvexport.native.libkvexport_q4", sources=["kvexport/native/q4matmul.c"],
+    ext_modules=[Extension("kvexport.native.libkvexport_qmatmul", sources=["kvexport/native/qmatmul.c"],
                            extra_compile_args=["-O3", "-std=c11", "-Wall"], libraries=["m"])],
     cmdclass={"build_ext": BuildNative},
 )

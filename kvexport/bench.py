@@ -21,6 +21,8 @@ from kvexport.runtime.hugepages import Placement
 Progress = Callable[[str], None]
 # an engine and its floor whose shares of weight bytes in huge pages differ by more than this are not read alike
 PLACEMENT_TOLERANCE = 0.25
+# a floor label's tail where its 4-bit matrices ran kvexport's native kernel (kvexport.native), as its engine's do
+QMATMUL_TAG = " (kvexport QMatMul)"
 
 
 def rss_mb() -> float:
@@ -173,7 +175,7 @@ class GemvFloor:
     The weights go through an external-data file so no 2 GB protobuf is built in memory."""
 
     def __init__(self, cfg: DecoderConfig | None, threads: int, seed: int = 0, gemvs: list[Gemv] | None = None,
-                 huge_pages: bool = True, q4: Kernel | None = None):
+                 huge_pages: bool = True, qmm: Kernel | None = None):
         import onnx
         from onnx import TensorProto, helper
 
@@ -229,11 +231,12 @@ class GemvFloor:
             # ONNX Runtime pre-packs each weight into memory of its own while the session is made; that memory
             # is placed as the cpu engine's is (huge pages where the system allows), or the floor would not be
             # the same matrices read the same way
-            # and its 4-bit matrices run the kernel the engine's run (`q4`: kvexport's where the engine swapped it in)
+            # and its quantized matrices run the kernel the engine runs (`qmm`: kvexport's where the engine's load
+            # swapped it in)
             self.sess, self.huge_pages, self.swapped = open_ort_session(Path(tmp) / "floor.onnx", threads,
-                                                                        huge_pages, q4=q4)
+                                                                        huge_pages, qmm=qmm)
             if self.swapped:
-                self.label += " (kvexport MatMulQ4)"
+                self.label += QMATMUL_TAG
         self.binding = self.sess.io_binding()
         self._buffers = [rng.standard_normal((1, k), dtype=np.float32) for k in ks]
         for k, x in zip(ks, self._buffers):
@@ -282,14 +285,14 @@ class Floors:
         from kvexport import native
 
         gemvs = engine_gemvs(engine)
-        q4 = (getattr(engine.session, "q4", None) or {}).get("nodes", 0) > 0  # the engine runs kvexport's kernel
-        label = floor_label(gemvs) + (" (kvexport MatMulQ4)" if q4 else "")
+        qmm = (getattr(engine.session, "qmm", None) or {}).get("nodes", 0) > 0  # the engine runs kvexport's kernel
+        label = floor_label(gemvs) + (QMATMUL_TAG if qmm else "")
         if label not in self.floors:
             self.say(f"preparing the {label} GEMV floor (the step's weight matrices alone, in ONNX Runtime)")
             placed = placement(engine)
             self.floors[label] = GemvFloor(None, self.threads, gemvs=gemvs,
                                            huge_pages=placed.asked if placed is not None else True,
-                                           q4=native.kernel() if q4 else None)
+                                           qmm=native.kernel() if qmm else None)
         self.floor_of[key] = label
         return self.floors[label]
 
@@ -594,8 +597,9 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  bound       {row['bandwidth_bound_tok_s']:7.1f} tok/s (weights + KV / bandwidth): "
                      f"engine reaches {row['fraction_of_bound'] * 100:.0f}%")
         for label, f in row.get("floors", {}).items():
-            kernel = "MatMul" if label == "fp32" else "MatMulNBits"
-            lines.append(f"  floor       {f['tok_s']:7.1f} tok/s (the weight GEMVs alone, ONNX Runtime {kernel}, {label}, "
+            kernel = ("ONNX Runtime MatMul" if label == "fp32" else "kvexport QMatMul for the 4-bit matrices, ONNX "
+                      "Runtime MatMulNBits for the rest" if label.endswith(QMATMUL_TAG) else "ONNX Runtime MatMulNBits")
+            lines.append(f"  floor       {f['tok_s']:7.1f} tok/s (the weight GEMVs alone, {kernel}, {label}, "
                          f"{f['weight_bytes'] / 2**20:.0f} MiB)" + ("" if label != e.get("floor") else
                                                                    f": engine reaches {row['fraction_of_floor'] * 100:.0f}% "
                                                                    f"best over best, {_of_floor_rounds(e)}"))

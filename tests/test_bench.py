@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from kvexport.architectures import get_arch, map_config
-from kvexport.bench import (Floors, Gemv, GemvFloor, check_comparable, engine_gemvs, floor_label, format_report, fp32_gemvs,
-                            linear_shapes, nominal_gemvs, onnx_gemvs, parse_prompt_lens, placement_differs, run_bench)
+from kvexport.bench import (QMATMUL_TAG, Floors, Gemv, GemvFloor, check_comparable, engine_gemvs, floor_label,
+                            format_report, fp32_gemvs, linear_shapes, nominal_gemvs, onnx_gemvs, parse_prompt_lens, placement_differs, run_bench)
 from kvexport.errors import InputError
 from kvexport.runtime.hugepages import Placement
 from kvexport.zoo import NAMED_MODELS, TINY_CONFIGS, write_checkpoint
@@ -300,10 +300,10 @@ def test_an_int4_artifact_is_held_to_its_own_matmulnbits_floor(artifacts: dict[s
                   baselines=False, rounds=1)
     row = r["prompts"]["8"]
     o = row["other:int4"]
-    # the floor runs the 4-bit kernel the engine runs: kvexport's where the load swapped it in (kvexport.native)
-    native = q.session.describe()["int4_matmul"]["nodes"] > 0
+    # the floor runs the quantized-matmul kernel the engine runs: kvexport's where the load swapped it in (kvexport.native)
+    native = q.session.describe()["quantized_matmul"]["nodes"] > 0
     assert native == kernel().usable
-    assert o["floor"] == floor_label(gemvs) + (" (kvexport MatMulQ4)" if native else "")
+    assert o["floor"] == floor_label(gemvs) + (QMATMUL_TAG if native else "")
     assert o["mode"] == "int4-g32" and o["floor"].startswith("int4-g32")
     assert set(row["floors"]) == {"fp32", o["floor"]}
     assert row["floors"][o["floor"]]["weight_bytes"] < row["floors"]["fp32"]["weight_bytes"] / 3

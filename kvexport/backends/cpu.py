@@ -76,15 +76,15 @@ def session_options(threads: int, optimized_path: Path | None = None) -> Any:
 
 
 def open_ort_session(model: Path, threads: int, huge_pages: bool = True,
-                     off: str = HUGE_PAGES_OFF, q4: Kernel | None = None) -> tuple[Any, Placement, int]:
+                     off: str = HUGE_PAGES_OFF, qmm: Kernel | None = None) -> tuple[Any, Placement, int]:
     """An ONNX Runtime CPU session of `model` (session_options(threads)) whose weights, repacked while the session
     is made, are then moved to huge pages where the system allows (kvexport.runtime.hugepages; `huge_pages=False`
-    leaves them in small pages and records `off` as why). With a usable `q4`, its 4-bit MatMulNBits nodes run
-    kvexport's native kernel (kvexport.native); the third value is how many were swapped."""
+    leaves them in small pages and records `off` as why). With a usable `qmm`, its MatMulNBits nodes that
+    kvexport's native kernel takes run it (kvexport.native); the third value is how many were swapped."""
     from kvexport.native import open_session
 
     before = anonymous_regions() if huge_pages else None
-    sess, swapped = open_session(model, session_options(threads), q4 or Kernel(False, "", "not asked"))
+    sess, swapped = open_session(model, session_options(threads), qmm or Kernel(False, "", "not asked"), huge_pages)
     placement = collapse_new(before) if huge_pages else Placement(0, 0.0, off, asked=False)
     return sess, placement, swapped
 
@@ -250,16 +250,16 @@ class CpuBackend(_Backend):
                    for t in model.graph.initializer)
 
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
-                     huge_pages: Any = None, native_q4: Any = None, **options: Any) -> CpuSession:
+                     huge_pages: Any = None, native_matmul: Any = None, **options: Any) -> CpuSession:
         self.require_available()
         if options:
             raise InputError(f"the cpu target takes no options {sorted(options)}; it accepts threads=N, no_rebuild, "
-                             "huge_pages=true|false (default: true for int8/int4 weights), native_q4=true|false "
-                             "(default: true; kvexport's 4-bit matmul where it is built and the CPU runs it)")
+                             "huge_pages=true|false (default: true for int8/int4 weights), native_matmul=true|false "
+                             "(default: true; kvexport's quantized matmul where it is built and the CPU runs it)")
         from kvexport import native
 
-        q4 = (native.kernel() if native_q4 is None or parse_bool("native_q4", native_q4)
-              else Kernel(False, "", "off (load option native_q4=false)"))
+        qmm = (native.kernel() if native_matmul is None or parse_bool("native_matmul", native_matmul)
+              else Kernel(False, "", "off (load option native_matmul=false)"))
         target = manifest.target or {}
         quantized = (target.get("weights") or {}).get("dtype", "fp32") != "fp32"
         # default: quantized weights only. bench-1b int4 decoded 1.06-1.08x with them in huge pages; fp32's step
@@ -288,7 +288,7 @@ class CpuBackend(_Backend):
             model = folder / manifest.raw["ir"]["file"]
             warning = f"optimized graph made by onnxruntime {built_with}; loaded the portable IR instead"
         threads = threads or target.get("options", {}).get("threads") or default_threads()
-        return CpuSession(model, manifest, threads, warning, huge_pages=huge, huge_pages_off=off, q4=q4)
+        return CpuSession(model, manifest, threads, warning, huge_pages=huge, huge_pages_off=off, qmm=qmm)
 
     def kv_bytes_per_token(self, manifest: Manifest, kv: str) -> int:
         """int8: one byte per element; its per-channel scales are a fixed cost (target.kv.scale_bytes),
@@ -342,7 +342,7 @@ def _gptq_calibration(model: Path, folder: Path, manifest: Manifest, options: Bu
 
 class CpuSession(Session):
     def __init__(self, model: Path, manifest: Manifest, threads: int, warning: str | None = None,
-                 huge_pages: bool = False, huge_pages_off: str = HUGE_PAGES_OFF, q4: Kernel | None = None):
+                 huge_pages: bool = False, huge_pages_off: str = HUGE_PAGES_OFF, qmm: Kernel | None = None):
         self.manifest, self.threads, self.warning = manifest, threads, warning
         cfg = manifest.config
         self.max_seq, self.vocab_size = manifest.max_seq, cfg.vocab_size
@@ -352,10 +352,10 @@ class CpuSession(Session):
         # positions a request may reach: past max_seq where every layer slides on a ring
         self.limit = self.ring.limit(self.max_seq) if self.ring else self.max_seq
         try:
-            self.sess, self.huge_pages, swapped = open_ort_session(model, threads, huge_pages, huge_pages_off, q4)
+            self.sess, self.huge_pages, swapped = open_ort_session(model, threads, huge_pages, huge_pages_off, qmm)
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
             raise ArtifactError(f"ONNX Runtime could not load {model}: {e}; rebuild the artifact") from e
-        self.q4 = (q4 or Kernel(False, "", "not asked")).record(swapped)
+        self.qmm = (qmm or Kernel(False, "", "not asked")).record(swapped)
         # the cache dtype is the loaded graph's: int8 in an engine built with --kv int8, the IR's
         # float type in the IR (the fallback above) and in every other engine
         past = {i.name: i.type for i in self.sess.get_inputs()}[self.pairs[0][0]]
@@ -374,7 +374,7 @@ class CpuSession(Session):
     def describe(self) -> dict[str, Any]:
         return {"threads": self.threads, "cache_policy": "grow", "device": "cpu",
                 "kv_dtype": np.dtype(self.cache_dtype).name, "warning": self.warning,
-                "huge_pages": self.huge_pages.record(), "int4_matmul": self.q4,
+                "huge_pages": self.huge_pages.record(), "quantized_matmul": self.qmm,
                 "ring": None if self.ring is None else {"window": self.ring.window, "layers": sorted(self.ring.layers)}}
 
     # --- state -----------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""kvexport's native 4-bit matmul (kvexport/native): the op against ONNX Runtime's MatMulNBits on the same packed
+"""kvexport's native quantized matmul (kvexport/native): the op against ONNX Runtime's MatMulNBits on the same packed
 weights, the load-time swap, and an int4 engine loaded with and without it.
 
 The kernel runs where the library was built at install and the CPU has AVX512-VNNI or AVX2+FMA: each ISA's test
-runs where the CPU has that ISA (both kernels on an AVX-512 CPU, through KVEXPORT_Q4_ISA=avx2) and is skipped
+runs where the CPU has that ISA (both kernels on an AVX-512 CPU, through KVEXPORT_QMATMUL_ISA=avx2) and is skipped
 elsewhere. CI (.ci/run) builds the library and sets KVEXPORT_REQUIRE_NATIVE, so there a missing library fails
 these tests instead of skipping them."""
 from __future__ import annotations
@@ -37,10 +37,12 @@ def _isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(native.ISA_ENV, raising=False)
 
 
-def _graph(op: str, domain: str, k: int, n: int, block: int, b: np.ndarray, s: np.ndarray, **extra: int) -> bytes:
+def _graph(op: str, domain: str, k: int, n: int, block: int, b: np.ndarray, s: np.ndarray, bits: int = 4,
+           **extra: int) -> bytes:
     from onnx import TensorProto, helper, numpy_helper
 
-    node = helper.make_node(op, ["A", "B", "S"], ["Y"], domain=domain, K=k, N=n, bits=4, block_size=block, **extra)
+    node = helper.make_node(op, ["A", "B", "S"], ["Y"], domain=domain, K=k, N=n, bits=bits, block_size=block,
+                            **extra)
     g = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
                           [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
                           [numpy_helper.from_array(b, "B"), numpy_helper.from_array(s, "S")])
@@ -59,9 +61,13 @@ def _session(model: bytes, custom: bool):
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("isa", ["avx512-vnni", "avx2"])
-@pytest.mark.parametrize("k,n,block", [(64, 40, 32), (1024, 300, 32), (256, 130, 128), (512, 16, 64)])
-def test_the_op_computes_what_matmulnbits_computes_from_the_same_bytes(isa: str, k: int, n: int, block: int,
+SHAPES = [(64, 40, 32), (1024, 300, 32), (256, 130, 128), (512, 16, 64)]
+
+
+@pytest.mark.parametrize("isa,bits", [("avx512-vnni", 4), ("avx2", 4), ("avx512-vnni", 8)])
+@pytest.mark.parametrize("k,n,block", SHAPES)
+def test_the_op_computes_what_matmulnbits_computes_from_the_same_bytes(isa: str, bits: int, k: int, n: int,
+                                                                       block: int,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Against the exact product of the dequantized weights (MatMulNBits at accuracy_level 0), the op's error is
     that of int8 activations per 32-block, MatMulNBits' own at accuracy_level 4: at blocks of 32 the two agree to
@@ -69,11 +75,11 @@ def test_the_op_computes_what_matmulnbits_computes_from_the_same_bytes(isa: str,
     of the kernel's 16 rows and M crosses its 64-row tiles."""
     _isa(isa, monkeypatch)
     rng = np.random.default_rng(k + n)
-    b = rng.integers(0, 256, (n, k // block, block // 2), dtype=np.uint8)
+    b = rng.integers(0, 256, (n, k // block, block * bits // 8), dtype=np.uint8)
     s = (rng.random(n * (k // block), dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
-    ours = _session(_graph(native.OP, native.DOMAIN, k, n, block, b, s), custom=True)
-    exact = _session(_graph("MatMulNBits", "com.microsoft", k, n, block, b, s, accuracy_level=0), custom=False)
-    acc4 = _session(_graph("MatMulNBits", "com.microsoft", k, n, block, b, s, accuracy_level=4), custom=False)
+    ours = _session(_graph(native.OP, native.DOMAIN, k, n, block, b, s, bits), custom=True)
+    exact = _session(_graph("MatMulNBits", "com.microsoft", k, n, block, b, s, bits, accuracy_level=0), custom=False)
+    acc4 = _session(_graph("MatMulNBits", "com.microsoft", k, n, block, b, s, bits, accuracy_level=4), custom=False)
     for m in (1, 3, 65, 130):
         a = rng.standard_normal((m, k)).astype(np.float32)
         y, ref, r4 = (x.run(None, {"A": a})[0] for x in (ours, exact, acc4))
@@ -81,7 +87,7 @@ def test_the_op_computes_what_matmulnbits_computes_from_the_same_bytes(isa: str,
         scale = np.abs(ref).max()
         ours_err, acc4_err = np.abs(y - ref).max() / scale, np.abs(r4 - ref).max() / scale
         assert ours_err < 0.02 and ours_err <= 1.5 * acc4_err + 1e-6, (m, ours_err, acc4_err)
-        if block == 32:
+        if block == 32 and bits == 4:
             assert np.abs(y - r4).max() / scale < 1e-4
 
 
@@ -94,6 +100,10 @@ def test_the_op_refuses_what_it_does_not_compute(monkeypatch: pytest.MonkeyPatch
     s = np.ones(8 * 3, np.float32)
     with pytest.raises(Exception, match="block_size must be a multiple of 32"):
         _session(_graph(native.OP, native.DOMAIN, 48, 8, 16, b, s), custom=True)
+    monkeypatch.setenv(native.ISA_ENV, "avx2")  # its u8 x s8 multiply would saturate on 8-bit weights
+    b8 = rng.integers(0, 256, (8, 2, 32), dtype=np.uint8)
+    with pytest.raises(Exception, match="8-bit weights need AVX512-VNNI"):
+        _session(_graph(native.OP, native.DOMAIN, 64, 8, 32, b8, np.ones(16, np.float32), 8), custom=True)
 
 
 def test_swap_takes_only_the_nodes_the_kernel_computes() -> None:
@@ -116,12 +126,22 @@ def test_swap_takes_only_the_nodes_the_kernel_computes() -> None:
     graph = helper.make_graph([p[0] for p in parts], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
                               [], [t for p in parts for t in p[1]])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    assert native.swap(model) == 2
+    def swapped(isa: str, widths: tuple[int, ...]) -> set[str]:
+        m = type(model)()
+        m.CopyFrom(model)
+        n = native.swap(m, isa, widths)
+        names = {x.output[0] for x in m.graph.node if x.domain == native.DOMAIN}
+        assert n == len(names)
+        return names
+
+    assert swapped("avx512-vnni", native.SWAP_BITS) == {"ok", "ok128"}  # 8-bit stays ONNX Runtime's by default
+    assert swapped("avx2", (4, 8)) == {"ok", "ok128"}  # and on AVX2 always: its multiply would saturate
+    assert native.swap(model, "avx512-vnni", (4, 8)) == 3
     kinds = {n.output[0]: (n.domain, n.op_type) for n in model.graph.node}
-    assert kinds["ok"] == kinds["ok128"] == (native.DOMAIN, native.OP)
-    assert all(kinds[x] == ("com.microsoft", "MatMulNBits") for x in ("eight", "sixteen", "zp", "half"))
-    swapped = next(n for n in model.graph.node if n.output[0] == "ok")
-    assert {a.name for a in swapped.attribute} == {"K", "N", "bits", "block_size"}
+    assert kinds["ok"] == kinds["ok128"] == kinds["eight"] == (native.DOMAIN, native.OP)
+    assert all(kinds[x] == ("com.microsoft", "MatMulNBits") for x in ("sixteen", "zp", "half"))
+    swapped = next(n for n in model.graph.node if n.output[0] == "ok")  # accuracy_level dropped
+    assert {a.name: a.i for a in swapped.attribute} == {"K": 64, "N": 8, "bits": 4, "block_size": 32, "huge_pages": 1}
     assert any(o.domain == native.DOMAIN for o in model.opset_import)
 
 
@@ -152,27 +172,34 @@ def int4_artifact(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPat
 @pytest.mark.parametrize("isa", ["avx512-vnni", "avx2"])
 def test_an_int4_engine_decodes_the_same_with_the_native_kernel(isa: str, int4_artifact: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same artifact loaded with the kernel swapped in and with ONNX Runtime's own: the same greedy tokens
-    over 24 steps and logits within int8-activation rounding; the load records which kernel ran."""
+    """The same artifact loaded with the kernel swapped in and with ONNX Runtime's own, fed the same tokens for 24
+    steps: logits within int8-activation rounding (the 8-bit lm_head's activations go in blocks of 32 here, of the
+    weights' block in ONNX Runtime's), and the same top token wherever ONNX Runtime's leads by more than that
+    rounding could move; the load records which kernel ran. (Seeded random weights: quality is judged on the
+    trained model, tests/test_cpu_weights.py, whose int4 builds load with the kernel.)"""
     import kvexport
     from kvexport.errors import InputError
 
     _isa(isa, monkeypatch)
     ours = kvexport.load(str(int4_artifact), threads=2)
-    theirs = kvexport.load(str(int4_artifact), threads=2, native_q4="false")
-    rec = ours.session.describe()["int4_matmul"]
-    assert rec["kernel"] == f"kvexport MatMulQ4 ({isa})" and rec["nodes"] > 0
-    assert theirs.session.describe()["int4_matmul"] == {"kernel": "onnxruntime MatMulNBits", "nodes": 0,
-                                                        "why": "off (load option native_q4=false)"}
+    theirs = kvexport.load(str(int4_artifact), threads=2, native_matmul="false")
+    rec = ours.session.describe()["quantized_matmul"]
+    assert rec["kernel"] == f"kvexport QMatMul ({isa})" and rec["nodes"] > 0
+    assert theirs.session.describe()["quantized_matmul"] == {"kernel": "onnxruntime MatMulNBits", "nodes": 0,
+                                                        "why": "off (load option native_matmul=false)"}
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, 200, 20)]
     a, b = ours.prefill(prompt, 25), theirs.prefill(prompt, 25)
-    ta, tb = a.logits.argmax(-1), b.logits.argmax(-1)
-    worst = float(np.abs(a.logits - b.logits).max() / np.abs(b.logits).max())
+    la, lb = a.logits, b.logits
+    agreed = 0
     for _ in range(24):
-        assert (ta == tb).all()
-        la, lb = ours.decode(a, ta), theirs.decode(b, tb)
-        worst = max(worst, float(np.abs(la - lb).max() / np.abs(lb).max()))
-        ta, tb = la.argmax(-1), lb.argmax(-1)
-    assert worst < 1e-3
-    with pytest.raises(InputError, match="native_q4"):
-        kvexport.load(str(int4_artifact), native_q4="maybe")
+        scale = float(np.abs(lb).max())
+        assert np.abs(la - lb).max() < 0.02 * scale
+        top2 = np.sort(lb[0])[-2:]
+        if top2[1] - top2[0] > 0.05 * scale:
+            assert la.argmax(-1) == lb.argmax(-1)
+            agreed += 1
+        tok = lb.argmax(-1)
+        la, lb = ours.decode(a, tok), theirs.decode(b, tok)
+    assert agreed >= 12
+    with pytest.raises(InputError, match="native_matmul"):
+        kvexport.load(str(int4_artifact), native_matmul="maybe")

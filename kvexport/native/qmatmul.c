@@ -1,21 +1,25 @@
-/* kvexport's 4-bit weight matmul for ONNX Runtime's CPU execution provider.
+/* kvexport's quantized weight matmul for ONNX Runtime's CPU execution provider.
  *
- * Op `MatMulQ4` in domain `ai.kvexport`: the inputs and attributes of com.microsoft `MatMulNBits` with bits 4,
- * symmetric blocks (no zero points: a nibble q stands for (q - 8) * scale), float scales, block_size a multiple of
- * 32 and K a multiple of 32: Y[M, N] = A[M, K] @ dequant(B)^T. kvexport.runtime.native swaps it in for such
- * MatMulNBits nodes when an engine is loaded; the artifact on disk keeps the standard op.
+ * Op `QMatMul` in domain `ai.kvexport`: the inputs and attributes of com.microsoft `MatMulNBits` with 4 bits (or
+ * 8, on AVX512-VNNI only), symmetric blocks (no zero points: a stored q stands for (q - 8) * scale at 4 bits,
+ * (q - 128) * scale at 8), float scales, block_size a multiple of 32 dividing K: Y[M, N] = A[M, K] @ dequant(B)^T.
+ * kvexport.native swaps it in for such MatMulNBits nodes when an engine is loaded; the artifact on disk keeps the
+ * standard op.
  *
- * Why: at batch 1 a decode step streams every weight once, and ONNX Runtime's 4-bit kernel (MLAS, int8 compute)
- * reads its blocks well below the memory's rate on the CPUs measured (docs/performance.md). Here the weights are
- * repacked once, when the session is made, so that one 512-bit load holds 16 output rows x 4 k-steps of nibble
- * pairs: the dot products then need no horizontal reduction (one VNNI dpbusd per 16 rows x 4 values), and a row
- * group's block scales are one vector load. Activations are quantized to int8 per 32-block, as MLAS does at
- * accuracy_level 4, so the numerics are those of the engine's MatMulNBits up to rounding order.
+ * Why: at batch 1 a decode step streams every weight once, and ONNX Runtime's quantized kernels (MLAS, int8
+ * compute) read their blocks below the memory's rate on the CPUs measured (docs/performance.md). Here the weights
+ * are repacked once, when the session is made, so that one 512-bit vector holds 16 output rows x 4 k-steps: the dot
+ * products need no horizontal reduction (one VNNI dpbusd per 16 rows x 4 values, u8 weights x s8 activations), and
+ * a row group's block scales are one vector load. Activations are quantized to int8 per 32-block, as MLAS does at
+ * accuracy_level 4 with blocks of 32.
  *
- * Packed layout, for row group g (rows 16g..16g+15, zero-padded past N) and 32-block b:
- *   weights: 256 bytes at ((g * nb) + b) * 256; byte [j * 64 + r * 4 + i] holds, for row r, the value at
- *            k = 32b + 8j + i in its low nibble and k = 32b + 8j + 4 + i in its high nibble (j, i in 0..3);
- *   scales:  16 floats at ((g * nb) + b) * 16, one per row.
+ * Packed layout, for row group g (rows 16g..16g+15, padded past N with zeros) and 32-block b, bits/8 * 512 bytes
+ * at ((g * nb) + b) * 64 * bits:
+ *   4 bits: byte [j * 64 + r * 4 + i] holds, for row r, the value at k = 32b + 8j + i in its low nibble and at
+ *           k = 32b + 8j + 4 + i in its high nibble (j, i in 0..3);
+ *   8 bits: byte [j * 64 + r * 4 + i] holds row r's value at k = 32b + 4j + i (j in 0..7);
+ *   scales: 16 floats a row group and block of block_size (as stored: one per row), at
+ *           ((g * K / block_size) + b / (block_size / 32)) * 16.
  *
  * Threading: ONNX Runtime's intra-op pool (KernelContext_ParallelFor), so `intra_op_num_threads` holds.
  */
@@ -41,7 +45,10 @@ typedef struct {
   uint8_t *w;    /* groups * nb * 256 */
   float *scale;  /* groups * nb * 16 */
   int isa;       /* 2: AVX512-VNNI, 1: AVX2 + FMA */
-} Q4Kernel;
+  int bits;      /* 4: 256 packed bytes a group and 32-block; 8: 512 */
+  int32_t zp;    /* the stored value of zero: 8 or 128 */
+  int64_t per;   /* 32-blocks a scale block (block_size / 32): one scale a row and block, as stored */
+} QKernel;
 
 /* ---------------------------------------------------------------- activation quantization (per 32-block) */
 
@@ -65,7 +72,7 @@ static void quantize_rows(const float *a, int64_t rows, int64_t K, int8_t *q, fl
         sum += v;
       }
       s[m * nb + b] = scale;
-      zsum[m * nb + b] = 8 * sum; /* the nibbles' offset of 8, taken off once per block */
+      zsum[m * nb + b] = sum; /* times the weights' zero point, taken off once per block */
     }
   }
 }
@@ -73,7 +80,7 @@ static void quantize_rows(const float *a, int64_t rows, int64_t K, int8_t *q, fl
 /* ---------------------------------------------------------------- kernels: row groups [g0, g1) x rows [m0, m1) */
 
 typedef struct {
-  const Q4Kernel *k;
+  const QKernel *k;
   const int8_t *q;
   const float *s;
   const int32_t *zsum;
@@ -83,30 +90,40 @@ typedef struct {
 
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void run_avx512(const Job *J, int64_t g0, int64_t g1,
                                                                                int64_t m0, int64_t m1) {
-  const Q4Kernel *k = J->k;
+  const QKernel *k = J->k;
   const int64_t nb = k->nb, K = k->K, N = k->N;
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MTILE];
   for (int64_t g = g0; g < g1; g++) {
-    const uint8_t *w = k->w + g * nb * 256;
-    const float *ws = k->scale + g * nb * ROWS;
+    const uint8_t *w = k->w + g * nb * 64 * k->bits;
+    const float *ws = k->scale + g * (nb / k->per) * ROWS;
     for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-      const uint8_t *wb = w + b * 256;
-      _mm_prefetch((const char *)(wb + 1024), _MM_HINT_T0);
-      _mm_prefetch((const char *)(wb + 1024 + 64), _MM_HINT_T0);
-      _mm_prefetch((const char *)(wb + 1024 + 128), _MM_HINT_T0);
-      _mm_prefetch((const char *)(wb + 1024 + 192), _MM_HINT_T0);
-      __m512i v0 = _mm512_loadu_si512(wb), v1 = _mm512_loadu_si512(wb + 64);
-      __m512i v2 = _mm512_loadu_si512(wb + 128), v3 = _mm512_loadu_si512(wb + 192);
-      __m512i w0 = _mm512_and_si512(v0, lo4), w1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), lo4);
-      __m512i w2 = _mm512_and_si512(v1, lo4), w3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), lo4);
-      __m512i w4 = _mm512_and_si512(v2, lo4), w5 = _mm512_and_si512(_mm512_srli_epi16(v2, 4), lo4);
-      __m512i w6 = _mm512_and_si512(v3, lo4), w7 = _mm512_and_si512(_mm512_srli_epi16(v3, 4), lo4);
-      const __m512 sw = _mm512_loadu_ps(ws + b * ROWS);
+      __m512i w0, w1, w2, w3, w4, w5, w6, w7;
+      if (k->bits == 4) {
+        const uint8_t *wb = w + b * 256;
+        _mm_prefetch((const char *)(wb + 1024), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 1024 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 1024 + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 1024 + 192), _MM_HINT_T0);
+        __m512i v0 = _mm512_loadu_si512(wb), v1 = _mm512_loadu_si512(wb + 64);
+        __m512i v2 = _mm512_loadu_si512(wb + 128), v3 = _mm512_loadu_si512(wb + 192);
+        w0 = _mm512_and_si512(v0, lo4), w1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), lo4);
+        w2 = _mm512_and_si512(v1, lo4), w3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), lo4);
+        w4 = _mm512_and_si512(v2, lo4), w5 = _mm512_and_si512(_mm512_srli_epi16(v2, 4), lo4);
+        w6 = _mm512_and_si512(v3, lo4), w7 = _mm512_and_si512(_mm512_srli_epi16(v3, 4), lo4);
+      } else {
+        const uint8_t *wb = w + b * 512;
+        for (int p = 0; p < 8; p++) _mm_prefetch((const char *)(wb + 2048 + p * 64), _MM_HINT_T0);
+        w0 = _mm512_loadu_si512(wb), w1 = _mm512_loadu_si512(wb + 64);
+        w2 = _mm512_loadu_si512(wb + 128), w3 = _mm512_loadu_si512(wb + 192);
+        w4 = _mm512_loadu_si512(wb + 256), w5 = _mm512_loadu_si512(wb + 320);
+        w6 = _mm512_loadu_si512(wb + 384), w7 = _mm512_loadu_si512(wb + 448);
+      }
+      const __m512 sw = _mm512_loadu_ps(ws + (b / k->per) * ROWS);
       for (int64_t m = m0; m < m1; m++) {
         const int32_t *x = (const int32_t *)(J->q + m * K + b * QBLK);
-        __m512i d = _mm512_set1_epi32(-J->zsum[m * nb + b]);
+        __m512i d = _mm512_set1_epi32(-k->zp * J->zsum[m * nb + b]);
         d = _mm512_dpbusd_epi32(d, w0, _mm512_set1_epi32(x[0]));
         d = _mm512_dpbusd_epi32(d, w1, _mm512_set1_epi32(x[1]));
         d = _mm512_dpbusd_epi32(d, w2, _mm512_set1_epi32(x[2]));
@@ -133,32 +150,34 @@ __attribute__((target("avx2,fma"))) static inline __m256i dot4_avx2(__m256i w, i
 
 __attribute__((target("avx2,fma"))) static void run_avx2(const Job *J, int64_t g0, int64_t g1, int64_t m0,
                                                          int64_t m1) {
-  const Q4Kernel *k = J->k;
+  const QKernel *k = J->k;
   const int64_t nb = k->nb, K = k->K, N = k->N;
   const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MTILE][2];
   float tmp[ROWS];
   for (int64_t g = g0; g < g1; g++) {
-    const uint8_t *w = k->w + g * nb * 256;
-    const float *ws = k->scale + g * nb * ROWS;
+    const uint8_t *w = k->w + g * nb * 64 * k->bits;
+    const float *ws = k->scale + g * (nb / k->per) * ROWS;
     for (int64_t m = m0; m < m1; m++) acc[m - m0][0] = acc[m - m0][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-      const uint8_t *wb = w + b * 256;
-      _mm_prefetch((const char *)(wb + 1024), _MM_HINT_T0);
-      _mm_prefetch((const char *)(wb + 1024 + 64), _MM_HINT_T0);
-      _mm_prefetch((const char *)(wb + 1024 + 128), _MM_HINT_T0);
-      _mm_prefetch((const char *)(wb + 1024 + 192), _MM_HINT_T0);
+      const uint8_t *wb = w + b * 64 * k->bits;
+      for (int p = 0; p < k->bits; p++) /* a 32-block's 4 or 8 lines, four blocks ahead */
+        _mm_prefetch((const char *)(wb + 4 * 64 * k->bits + p * 64), _MM_HINT_T0);
       for (int h = 0; h < 2; h++) {
         __m256i u[8];
-        for (int j = 0; j < 4; j++) {
-          __m256i v = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + h * 32));
-          u[2 * j] = _mm256_and_si256(v, lo4);
-          u[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        if (k->bits == 4) {
+          for (int j = 0; j < 4; j++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + h * 32));
+            u[2 * j] = _mm256_and_si256(v, lo4);
+            u[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+          }
+        } else {
+          for (int j = 0; j < 8; j++) u[j] = _mm256_loadu_si256((const __m256i *)(wb + j * 64 + h * 32));
         }
-        const __m256 sw = _mm256_loadu_ps(ws + b * ROWS + h * 8);
+        const __m256 sw = _mm256_loadu_ps(ws + (b / k->per) * ROWS + h * 8);
         for (int64_t m = m0; m < m1; m++) {
           const int32_t *x = (const int32_t *)(J->q + m * K + b * QBLK);
-          __m256i d = _mm256_set1_epi32(-J->zsum[m * nb + b]);
+          __m256i d = _mm256_set1_epi32(-k->zp * J->zsum[m * nb + b]);
           for (int j = 0; j < 8; j++) d = _mm256_add_epi32(d, dot4_avx2(u[j], x[j], ones));
           const __m256 sc = _mm256_mul_ps(sw, _mm256_set1_ps(J->s[m * nb + b]));
           acc[m - m0][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[m - m0][h]);
@@ -187,10 +206,11 @@ static void job_part(void *data, size_t i) {
 
 /* ---------------------------------------------------------------- ONNX Runtime glue */
 
-/* KVEXPORT_Q4_ISA=avx2 takes the AVX2 kernel on a CPU that has AVX512-VNNI too (tests run both where they can). */
+/* KVEXPORT_QMATMUL_ISA=avx2 takes the AVX2 kernel on a CPU that has AVX512-VNNI too (the tests run both where
+ * they can). */
 static int cpu_isa(void) {
   __builtin_cpu_init();
-  const char *ask = getenv("KVEXPORT_Q4_ISA");
+  const char *ask = getenv("KVEXPORT_QMATMUL_ISA");
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni") && !(ask != NULL && strcmp(ask, "avx2") == 0))
     return 2;
@@ -210,56 +230,62 @@ static OrtStatus *tensor_dims(const OrtValue *v, int64_t *dims, size_t *rank, ON
   OrtTensorTypeAndShapeInfo *info = NULL;
   RETURN_IF(g_ort->GetTensorTypeAndShape(v, &info));
   OrtStatus *st = g_ort->GetDimensionsCount(info, rank);
-  if (st == NULL && *rank > 8) st = fail("MatMulQ4: tensor of rank above 8");
+  if (st == NULL && *rank > 8) st = fail("QMatMul: tensor of rank above 8");
   if (st == NULL) st = g_ort->GetDimensions(info, dims, *rank);
   if (st == NULL && type != NULL) st = g_ort->GetTensorElementType(info, type);
   g_ort->ReleaseTensorTypeAndShapeInfo(info);
   return st;
 }
 
-static void free_kernel(Q4Kernel *k) {
+static void free_kernel(QKernel *k) {
   if (k == NULL) return;
   free(k->w);
   free(k->scale);
   free(k);
 }
 
-/* Memory for the packed weights: 2 MiB aligned and marked for transparent huge pages before it is first written,
- * so that a step's stream of weights takes few TLB misses (where the system's THP mode is `madvise` or `always`;
- * elsewhere the advice is ignored). */
-static void *alloc_packed(size_t bytes) {
-  const size_t huge = (size_t)2 << 20;
+/* Memory for the packed weights. With `huge` (the node's attribute huge_pages, 1 unless set to 0: kvexport's load
+ * option of that name), 2 MiB aligned and marked for transparent huge pages before it is first written, so that a
+ * step's stream of weights takes few TLB misses (where the system's THP mode is `madvise` or `always`; elsewhere
+ * the advice is ignored). */
+static void *alloc_packed(size_t bytes, int huge) {
+  const size_t page = (size_t)2 << 20;
   void *p = NULL;
-  if (bytes < huge) return aligned_alloc(64, (bytes + 63) / 64 * 64);
-  bytes = (bytes + huge - 1) / huge * huge;
-  if (posix_memalign(&p, huge, bytes) != 0) return NULL;
+  if (!huge || bytes < page) return aligned_alloc(64, (bytes + 63) / 64 * 64);
+  bytes = (bytes + page - 1) / page * page;
+  if (posix_memalign(&p, page, bytes) != 0) return NULL;
 #ifdef MADV_HUGEPAGE
   madvise(p, bytes, MADV_HUGEPAGE);
 #endif
   return p;
 }
 
-static OrtStatus *repack(Q4Kernel *k, const uint8_t *B, const float *S, int64_t block) {
-  const int64_t nb = k->nb, per = block / QBLK, bytes_row = k->K / 2, sblocks = k->K / block;
-  k->w = (uint8_t *)alloc_packed((size_t)(k->groups * nb * 256));
-  k->scale = (float *)alloc_packed((size_t)(k->groups * nb * ROWS * sizeof(float)));
-  if (k->w == NULL || k->scale == NULL) return g_ort->CreateStatus(ORT_FAIL, "MatMulQ4: out of memory");
-  memset(k->w, 0x88, (size_t)(k->groups * nb * 256)); /* padding rows: nibble 8 is zero */
-  memset(k->scale, 0, (size_t)(k->groups * nb * ROWS * sizeof(float)));
+static OrtStatus *repack(QKernel *k, const uint8_t *B, const float *S, int64_t block, int huge) {
+  const int64_t nb = k->nb, bytes_row = k->K * k->bits / 8, sblocks = k->K / block;
+  const int64_t gb = 64 * k->bits; /* packed bytes a group and 32-block */
+  k->w = (uint8_t *)alloc_packed((size_t)(k->groups * nb * gb), huge);
+  k->scale = (float *)alloc_packed((size_t)(k->groups * sblocks * ROWS * sizeof(float)), huge);
+  if (k->w == NULL || k->scale == NULL) return g_ort->CreateStatus(ORT_FAIL, "QMatMul: out of memory");
+  memset(k->w, k->bits == 4 ? 0x88 : 0x80, (size_t)(k->groups * nb * gb)); /* padding rows hold zeros */
+  memset(k->scale, 0, (size_t)(k->groups * sblocks * ROWS * sizeof(float)));
   for (int64_t n = 0; n < k->N; n++) {
     const int64_t g = n / ROWS, r = n % ROWS;
-    const uint8_t *row = B + n * bytes_row; /* MatMulNBits: element k in byte k/2, low nibble first */
+    const uint8_t *row = B + n * bytes_row; /* MatMulNBits: 4 bits: element k in byte k/2, low nibble first */
     for (int64_t b = 0; b < nb; b++) {
-      uint8_t q[QBLK];
-      for (int i = 0; i < QBLK / 2; i++) {
-        q[2 * i] = row[b * 16 + i] & 0x0F;
-        q[2 * i + 1] = row[b * 16 + i] >> 4;
+      uint8_t *dst = k->w + (g * nb + b) * gb + r * 4;
+      if (k->bits == 4) {
+        uint8_t q[QBLK];
+        for (int i = 0; i < QBLK / 2; i++) {
+          q[2 * i] = row[b * 16 + i] & 0x0F;
+          q[2 * i + 1] = row[b * 16 + i] >> 4;
+        }
+        for (int j = 0; j < 4; j++)
+          for (int i = 0; i < 4; i++) dst[j * 64 + i] = (uint8_t)(q[8 * j + i] | (q[8 * j + 4 + i] << 4));
+      } else { /* 8 bits: vector j holds k = 32b + 4j .. 32b + 4j + 3 of each row */
+        for (int j = 0; j < 8; j++) memcpy(dst + j * 64, row + b * QBLK + 4 * j, 4);
       }
-      uint8_t *dst = k->w + (g * nb + b) * 256 + r * 4;
-      for (int j = 0; j < 4; j++)
-        for (int i = 0; i < 4; i++) dst[j * 64 + i] = (uint8_t)(q[8 * j + i] | (q[8 * j + 4 + i] << 4));
-      k->scale[(g * nb + b) * ROWS + r] = S[n * sblocks + b / per];
     }
+    for (int64_t sb = 0; sb < sblocks; sb++) k->scale[(g * sblocks + sb) * ROWS + r] = S[n * sblocks + sb];
   }
   return NULL;
 }
@@ -273,37 +299,51 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   RETURN_IF(g_ort->KernelInfoGetAttribute_int64(info, "N", &N));
   RETURN_IF(g_ort->KernelInfoGetAttribute_int64(info, "bits", &bits));
   RETURN_IF(g_ort->KernelInfoGetAttribute_int64(info, "block_size", &block));
-  if (bits != 4) return fail("MatMulQ4: bits must be 4");
-  if (block < QBLK || block % QBLK != 0 || K % block != 0) return fail("MatMulQ4: block_size must be a multiple of 32 dividing K");
+  int64_t huge = 1;
+  OrtStatus *absent = g_ort->KernelInfoGetAttribute_int64(info, "huge_pages", &huge);
+  if (absent != NULL) {
+    g_ort->ReleaseStatus(absent);
+    huge = 1;
+  }
+  if (bits != 4 && bits != 8) return fail("QMatMul: bits must be 4 or 8");
+  if (block < QBLK || block % QBLK != 0 || K % block != 0)
+    return fail("QMatMul: block_size must be a multiple of 32 dividing K");
   const int isa = cpu_isa();
-  if (isa == 0) return fail("MatMulQ4: this CPU has neither AVX512-VNNI nor AVX2+FMA");
+  if (isa == 0) return fail("QMatMul: this CPU has neither AVX512-VNNI nor AVX2+FMA");
+  /* AVX2's maddubs would saturate on 8-bit weights (255 * 127 * 2 > 32767) */
+  if (bits == 8 && isa != 2) return fail("QMatMul: 8-bit weights need AVX512-VNNI");
   const OrtValue *bv = NULL, *sv = NULL;
   int bconst = 0, sconst = 0;
   RETURN_IF(g_ort->KernelInfoGetConstantInput_tensor(info, 1, &bconst, &bv));
   RETURN_IF(g_ort->KernelInfoGetConstantInput_tensor(info, 2, &sconst, &sv));
-  if (!bconst || !sconst || bv == NULL || sv == NULL) return fail("MatMulQ4: weights and scales must be initializers");
+  if (!bconst || !sconst || bv == NULL || sv == NULL) return fail("QMatMul: weights and scales must be initializers");
   int64_t dims[8];
   size_t rank = 0;
   ONNXTensorElementDataType type;
   int64_t count = 1;
   RETURN_IF(tensor_dims(bv, dims, &rank, &type));
   for (size_t i = 0; i < rank; i++) count *= dims[i];
-  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || count != N * K / 2) return fail("MatMulQ4: B is not N x K/2 uint8");
+  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || count != N * K * bits / 8)
+    return fail("QMatMul: B is not N x K*bits/8 uint8");
   RETURN_IF(tensor_dims(sv, dims, &rank, &type));
   count = 1;
   for (size_t i = 0; i < rank; i++) count *= dims[i];
-  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || count != N * (K / block)) return fail("MatMulQ4: scales are not N x K/block_size float");
+  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || count != N * (K / block))
+    return fail("QMatMul: scales are not N x K/block_size float");
   void *bp = NULL, *sp = NULL;
   RETURN_IF(g_ort->GetTensorMutableData((OrtValue *)bv, &bp));
   RETURN_IF(g_ort->GetTensorMutableData((OrtValue *)sv, &sp));
-  Q4Kernel *k = (Q4Kernel *)calloc(1, sizeof(Q4Kernel));
-  if (k == NULL) return g_ort->CreateStatus(ORT_FAIL, "MatMulQ4: out of memory");
+  QKernel *k = (QKernel *)calloc(1, sizeof(QKernel));
+  if (k == NULL) return g_ort->CreateStatus(ORT_FAIL, "QMatMul: out of memory");
   k->K = K;
   k->N = N;
   k->nb = K / QBLK;
   k->groups = (N + ROWS - 1) / ROWS;
   k->isa = isa;
-  OrtStatus *st = repack(k, (const uint8_t *)bp, (const float *)sp, block);
+  k->bits = (int)bits;
+  k->zp = bits == 4 ? 8 : 128;
+  k->per = block / QBLK;
+  OrtStatus *st = repack(k, (const uint8_t *)bp, (const float *)sp, block, huge != 0);
   if (st != NULL) {
     free_kernel(k);
     return st;
@@ -313,15 +353,15 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
 }
 
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
-  const Q4Kernel *k = (const Q4Kernel *)kernel;
+  const QKernel *k = (const QKernel *)kernel;
   const OrtValue *av = NULL;
   RETURN_IF(g_ort->KernelContext_GetInput(ctx, 0, &av));
   int64_t dims[8];
   size_t rank = 0;
   ONNXTensorElementDataType type;
   RETURN_IF(tensor_dims(av, dims, &rank, &type));
-  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return fail("MatMulQ4: A must be float");
-  if (rank < 1 || dims[rank - 1] != k->K) return fail("MatMulQ4: A's last dimension is not K");
+  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return fail("QMatMul: A must be float");
+  if (rank < 1 || dims[rank - 1] != k->K) return fail("QMatMul: A's last dimension is not K");
   int64_t M = 1;
   for (size_t i = 0; i + 1 < rank; i++) M *= dims[i];
   dims[rank - 1] = k->N;
@@ -333,7 +373,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   RETURN_IF(g_ort->GetTensorMutableData(yv, &yp));
   const int64_t nb = k->nb;
   int8_t *q = (int8_t *)malloc((size_t)(M * k->K) + (size_t)(M * nb) * (sizeof(float) + sizeof(int32_t)));
-  if (q == NULL) return g_ort->CreateStatus(ORT_FAIL, "MatMulQ4: out of memory");
+  if (q == NULL) return g_ort->CreateStatus(ORT_FAIL, "QMatMul: out of memory");
   float *s = (float *)(q + M * k->K);
   int32_t *zsum = (int32_t *)(s + M * nb);
   quantize_rows((const float *)ap, M, k->K, q, s, zsum);
@@ -347,11 +387,11 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   return st;
 }
 
-static void ORT_API_CALL destroy(void *kernel) { free_kernel((Q4Kernel *)kernel); }
+static void ORT_API_CALL destroy(void *kernel) { free_kernel((QKernel *)kernel); }
 
 static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
   (void)op;
-  return "MatMulQ4";
+  return "QMatMul";
 }
 static const char *ORT_API_CALL op_ep(const OrtCustomOp *op) {
   (void)op;
