@@ -203,3 +203,17 @@ def test_an_int4_engine_decodes_the_same_with_the_native_kernel(isa: str, int4_a
     assert agreed >= 12
     with pytest.raises(InputError, match="native_matmul"):
         kvexport.load(str(int4_artifact), native_matmul="maybe")
+
+
+def test_doctor_says_which_quantized_matmul_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kvexport.backends.cpu import CpuBackend
+
+    monkeypatch.delenv(native.REQUIRE_ENV, raising=False)
+    monkeypatch.delenv(native.ISA_ENV, raising=False)
+    said = CpuBackend().doctor()["quantized_matmul"]
+    k = native.kernel()
+    assert said == (f"kvexport QMatMul ({k.isa}) for 4-bit weights" if k.usable else f"ONNX Runtime's: {k.why}")
+    monkeypatch.setattr(native, "LIBRARY", tmp_path / "absent.so")
+    assert CpuBackend().doctor()["quantized_matmul"].startswith("ONNX Runtime's: not built")
+    monkeypatch.setenv(native.REQUIRE_ENV, "1")
+    assert native.REQUIRE_ENV in CpuBackend().doctor()["quantized_matmul"]

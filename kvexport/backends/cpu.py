@@ -304,7 +304,15 @@ class CpuBackend(_Backend):
             import onnxruntime as ort
         except ImportError:
             return {}
-        return {"onnxruntime": ort.__version__, "providers": ort.get_available_providers()}
+        from kvexport import native
+        from kvexport.errors import BackendUnavailableError
+
+        try:
+            k = native.kernel()
+            qmm = f"kvexport QMatMul ({k.isa}) for 4-bit weights" if k.usable else f"ONNX Runtime's: {k.why}"
+        except BackendUnavailableError as e:
+            qmm = str(e)
+        return {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "quantized_matmul": qmm}
 
 
 @dataclass

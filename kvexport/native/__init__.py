@@ -43,8 +43,10 @@ def isa_of(flags: set[str]) -> str:
     return ""
 
 
-def kernel(flags: set[str] | None = None, library: Path = LIBRARY) -> Kernel:
-    """Whether this machine can run the native kernel: the library built at install and the ISA it needs."""
+def kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel:
+    """Whether this machine can run the native kernel: the library built at install (`library`, by default
+    LIBRARY) and the ISA it needs."""
+    library = LIBRARY if library is None else library
     if flags is None:
         from kvexport.doctor import read_cpu_flags
 
