@@ -151,6 +151,10 @@ def export_artifact(
     say(f"reading {model_dir}")
     ck = load_checkpoint(model_dir, max_seq=max_seq)
     max_seq = ck.decoder.max_seq
+    trained = ck.config.max_position_embeddings
+    if max_seq > trained:  # learned positions are refused above; rotary ones extrapolate, untrained
+        say(f"note: --max-seq {max_seq} is past this model's max_position_embeddings ({trained}): positions beyond "
+            f"{trained} were never trained, so text there is the model's extrapolation, not what it was made for")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -458,6 +458,12 @@ def cmd_inspect(a: argparse.Namespace) -> int:
             other = {b: n for b, n in (w.get("blocks") or {}).items() if int(b) != w.get("group_size")}
             block += "".join(f", {n} matrices at block {b} (fitted to their rows)" for b, n in other.items())
             print(f"  weights: {w['dtype']}{block}, {w['bytes']} bytes ({w['bytes'] / 2**20:.1f} MiB, scales included)")
+            files = [folder / f for f in target.get("engine_files", [])]
+            disk = sum(f.stat().st_size for f in files if f.is_file())
+            if disk and abs(disk - w["bytes"]) > 0.1 * w["bytes"]:
+                # intel bf16: the file holds f32 weights, which the plugin converts when it compiles
+                print(f"  engine files on disk: {disk / 2**20:.1f} MiB; the weights above are counted as the runtime "
+                      f"holds them ({w['dtype']})")
             if w.get("method") == "gptq":
                 cal = w.get("calibration") or {}
                 print(f"  rounding: gptq, {w.get('matrices')} matrices against their inputs on {cal.get('tokens')} "

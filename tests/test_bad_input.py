@@ -89,3 +89,20 @@ def test_an_ir_only_artifact_says_to_build_from_its_checkpoint(checkpoints: dict
     with pytest.raises(ArtifactError, match="build one from the checkpoint folder it was exported from") as e:
         kvexport.load(ir)
     assert "CHECKPOINT_DIR" in str(e.value) and f"build {ir}" not in str(e.value)
+
+
+def test_a_cache_past_the_trained_positions_is_built_with_a_note(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Rotary positions past max_position_embeddings extrapolate (learned ones are refused at load): the export
+    goes on and says so, once, and a cache within the trained positions gets no such note."""
+    import json
+
+    from kvexport.artifact import export_artifact
+
+    trained = json.loads((checkpoints["llama"] / "config.json").read_text())["max_position_embeddings"]
+    said: list[str] = []
+    export_artifact(checkpoints["llama"], tmp_path / "long.kvx", max_seq=trained + 16, progress=said.append)
+    notes = [m for m in said if "max_position_embeddings" in m]
+    assert len(notes) == 1 and str(trained + 16) in notes[0] and "never trained" in notes[0]
+    said.clear()
+    export_artifact(checkpoints["llama"], tmp_path / "short.kvx", max_seq=trained, progress=said.append)
+    assert not [m for m in said if "max_position_embeddings" in m]

@@ -170,6 +170,17 @@ def test_build_records_weight_and_cache_bytes_and_inspect_prints_them(artifacts:
     assert canonical(t["kv"]["dtype"]) == "fp32" and t["kv"]["bytes_per_token"] == per_token and "auto" not in t
     out = inspect(folder)
     assert f"weights: fp32, {t['weights']['bytes']} bytes" in out
+    assert "engine files on disk" not in out  # the files hold what the weights line counts
+    # an engine whose runtime holds its weights in another size than its files (intel bf16: f32 on disk, converted
+    # when the plugin compiles) says both
+    held = tmp_path / "held.kvx"
+    shutil.copytree(folder, held)
+    m2 = json.loads((held / "manifest.json").read_text())
+    m2["target"]["weights"] = {**m2["target"]["weights"], "dtype": "bf16", "bytes": t["weights"]["bytes"] // 2}
+    (held / "manifest.json").write_text(json.dumps(m2))
+    disk = sum((held / f).stat().st_size for f in t["engine_files"])
+    assert f"engine files on disk: {disk / 2**20:.1f} MiB; the weights above are counted as the runtime holds " \
+           "them (bf16)" in inspect(held)
     assert f"KV cache: fp32, {per_token} bytes per token per row" in out
     # an intel u8 build from before target.kv: inspect reads its kv_precision, not the IR's f32 cache type
     legacy = tmp_path / "legacy.kvx"
