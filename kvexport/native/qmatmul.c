@@ -142,10 +142,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void run_avx512(co
   }
 }
 
-/* AVX2: the same packed layout, each 64-byte vector taken as two halves of 8 rows; u8 x s8 through maddubs (no
- * saturation: |15 * 127 * 2| < 32767) and madd with ones. */
-__attribute__((target("avx2,fma"))) static inline __m256i dot4_avx2(__m256i w, int32_t x, __m256i ones) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)), ones);
+/* AVX2 (4-bit only): the same packed layout, each 64-byte vector taken as two halves of 8 rows; u8 x s8 through
+ * maddubs, whose pair sums (at most 15 * 127 * 2 = 3810) the 8 vectors of a 32-block add in 16 bits without
+ * overflow (8 * 3810 = 30480 < 32767), then one madd with ones widens them to the 4-value sums. */
+__attribute__((target("avx2,fma"))) static inline __m256i dot2_avx2(__m256i w, int32_t x) {
+  return _mm256_maddubs_epi16(w, _mm256_set1_epi32(x));
 }
 
 __attribute__((target("avx2,fma"))) static void run_avx2(const Job *J, int64_t g0, int64_t g1, int64_t m0,
@@ -177,8 +178,10 @@ __attribute__((target("avx2,fma"))) static void run_avx2(const Job *J, int64_t g
         const __m256 sw = _mm256_loadu_ps(ws + (b / k->per) * ROWS + h * 8);
         for (int64_t m = m0; m < m1; m++) {
           const int32_t *x = (const int32_t *)(J->q + m * K + b * QBLK);
-          __m256i d = _mm256_set1_epi32(-k->zp * J->zsum[m * nb + b]);
-          for (int j = 0; j < 8; j++) d = _mm256_add_epi32(d, dot4_avx2(u[j], x[j], ones));
+          __m256i d16 = dot2_avx2(u[0], x[0]);
+          for (int j = 1; j < 8; j++) d16 = _mm256_add_epi16(d16, dot2_avx2(u[j], x[j]));
+          const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(d16, ones),
+                                             _mm256_set1_epi32(k->zp * J->zsum[m * nb + b]));
           const __m256 sc = _mm256_mul_ps(sw, _mm256_set1_ps(J->s[m * nb + b]));
           acc[m - m0][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[m - m0][h]);
         }
