@@ -106,3 +106,25 @@ def test_a_cache_past_the_trained_positions_is_built_with_a_note(checkpoints: di
     said.clear()
     export_artifact(checkpoints["llama"], tmp_path / "short.kvx", max_seq=trained, progress=said.append)
     assert not [m for m in said if "max_position_embeddings" in m]
+
+
+def test_an_edited_max_seq_past_the_engine_ends_in_a_typed_error(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    """manifest.json is not hashed: one edited to claim more slots than the engine graph was built for lets a long
+    prompt reach ONNX Runtime, whose failure inside the step comes back as an ArtifactError naming the manifest."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    import kvexport
+
+    edited = tmp_path / "edited.kvx"
+    shutil.copytree(artifacts["llama"], edited)
+    m = json.loads((edited / MANIFEST_FILE).read_text())
+    built = m["cache"]["max_seq"]
+    m["cache"]["max_seq"] = built * 8
+    (edited / MANIFEST_FILE).write_text(json.dumps(m))
+    engine = kvexport.load(str(edited), threads=1)
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, 200, engine.max_seq - 4)]
+    with pytest.raises(ArtifactError, match="manifest.json may not match"):
+        engine.prefill(ids, 2)

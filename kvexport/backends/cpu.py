@@ -22,6 +22,7 @@ from kvexport.native import Kernel
 from kvexport.runtime.buffers import aligned_zeros, capacity_for, regrow
 from kvexport.runtime.hugepages import Placement, anonymous_regions, collapse_new
 from kvexport.runtime.ring import MASK_INPUT, RingSpec, chunks, sliding_mask
+from kvexport.runtime.rows import run_step
 from kvexport.runtime.session import Session, piece_limit
 
 ENGINE_DIR = "engine"
@@ -501,5 +502,5 @@ class CpuSession(Session):
         b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         b.bind_cpu_input("write_index", np.full(B, total - S, dtype=np.int64))
         t0 = time.perf_counter()
-        self.sess.run_with_iobinding(b)
+        run_step(self.sess, b)
         state.run_seconds += time.perf_counter() - t0

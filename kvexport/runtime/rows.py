@@ -24,10 +24,20 @@ from typing import Any
 
 import numpy as np
 
-from kvexport.errors import ContextOverflowError, InputError
+from kvexport.errors import ArtifactError, ContextOverflowError, InputError
 from kvexport.runtime.buffers import aligned_zeros, capacity_for, regrow
 from kvexport.runtime.ring import MASK_INPUT, chunks, row_sliding_mask
 from kvexport.runtime.session import Session
+
+
+def run_step(sess: Any, binding: Any) -> None:
+    """One engine call. ONNX Runtime's own failure inside a step (the graph asked past what it was built for: a
+    manifest.json edited to a larger max_seq, say; the manifest is not hashed) becomes a typed error."""
+    try:
+        sess.run_with_iobinding(binding)
+    except Exception as e:  # onnxruntime raises its own RuntimeError/Fail types
+        raise ArtifactError(f"ONNX Runtime failed inside an engine step: {e}. The engine graph and its manifest.json "
+                            "may not match (an edited max_seq, say): restore the manifest or rebuild the artifact") from e
 
 
 class Rows(ABC):
@@ -159,7 +169,7 @@ class BoundRows(Rows):
         if ring is not None:
             b.bind_cpu_input(MASK_INPUT, row_sliding_mask(write, ids.shape[1], ring.length(self.capacity),
                                                           ring.window, live))
-        self.s.sess.run_with_iobinding(b)
+        run_step(self.s.sess, b)
 
     # --- rows ---------------------------------------------------------------------------------
     def reset(self, row: int, capacity: int) -> None:
