@@ -18,7 +18,7 @@ from kvexport.backends.cpu_quant import LM_HEAD_MODES, QUANTIZERS, Calibration
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import ArtifactError, InputError
 from kvexport.manifest import Manifest
-from kvexport.native import Kernel
+from kvexport.native import NOT_ASKED, Kernel
 from kvexport.runtime.buffers import aligned_zeros, capacity_for, regrow
 from kvexport.runtime.hugepages import Placement, anonymous_regions, collapse_new
 from kvexport.runtime.ring import MASK_INPUT, RingSpec, chunks, sliding_mask
@@ -85,7 +85,7 @@ def open_ort_session(model: Path, threads: int, huge_pages: bool = True,
     from kvexport.native import open_session
 
     before = anonymous_regions() if huge_pages else None
-    sess, swapped = open_session(model, session_options(threads), qmm or Kernel(False, "", "not asked"), huge_pages)
+    sess, swapped = open_session(model, session_options(threads), qmm or NOT_ASKED, huge_pages)
     placement = collapse_new(before) if huge_pages else Placement(0, 0.0, off, asked=False)
     return sess, placement, swapped
 
@@ -364,7 +364,7 @@ class CpuSession(Session):
             self.sess, self.huge_pages, swapped = open_ort_session(model, threads, huge_pages, huge_pages_off, qmm)
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
             raise ArtifactError(f"ONNX Runtime could not load {model}: {e}; rebuild the artifact") from e
-        self.qmm = (qmm or Kernel(False, "", "not asked")).record(swapped)
+        self.qmm = (qmm or NOT_ASKED).record(swapped)
         # the cache dtype is the loaded graph's: int8 in an engine built with --kv int8, the IR's
         # float type in the IR (the fallback above) and in every other engine
         past = {i.name: i.type for i in self.sess.get_inputs()}[self.pairs[0][0]]

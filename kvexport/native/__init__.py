@@ -35,6 +35,9 @@ class Kernel:
         return {"kernel": name, "nodes": swapped, "why": self.why}
 
 
+NOT_ASKED = Kernel(False, "", "not asked")  # a session made without asking for the kernel (an fp32 floor)
+
+
 def isa_of(flags: set[str]) -> str:
     if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
         return "avx512-vnni"
@@ -124,8 +127,8 @@ def open_session(model_path: Path, options: Any, kern: Kernel, huge_pages: bool 
     import onnx
     import onnxruntime as ort
 
-    model = onnx.load(str(model_path), load_external_data=False)
-    n = swap(model, kern.isa, huge_pages=huge_pages) if kern.usable else 0
+    model = onnx.load(str(model_path), load_external_data=False) if kern.usable else None
+    n = swap(model, kern.isa, huge_pages=huge_pages) if model is not None else 0
     if not n:
         return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"]), 0
     options.register_custom_ops_library(str(LIBRARY))
