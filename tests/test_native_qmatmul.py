@@ -88,7 +88,10 @@ def test_the_op_computes_what_matmulnbits_computes_from_the_same_bytes(isa: str,
         ours_err, acc4_err = np.abs(y - ref).max() / scale, np.abs(r4 - ref).max() / scale
         assert ours_err < 0.02 and ours_err <= 1.5 * acc4_err + 1e-6, (m, ours_err, acc4_err)
         if block == 32 and bits == 4:
-            assert np.abs(y - r4).max() / scale < 1e-4
+            # where MLAS runs its AVX512-VNNI kernel (checked on a Zen 4) its activation rounding is ours to the
+            # bit; its AVX2-only kernel's has not been compared on such a CPU, so there one tie rounded the other
+            # way (one element, one step of 127) is allowed for
+            assert np.abs(y - r4).max() / scale < (1e-4 if HAVE["avx512-vnni"] else 1e-3)
 
 
 def test_the_op_refuses_what_it_does_not_compute(monkeypatch: pytest.MonkeyPatch) -> None:
