@@ -46,7 +46,9 @@ class BuildNative(build_ext):
 
 
 setup(
-    ext_modules=[Extension("kvexport.native.libkvexport_qmatmul", sources=["kvexport/native/qmatmul.c"],
+    ext_modules=[Extension("kvexport.native.libkvexport_native",
+                           sources=["kvexport/native/qmatmul.c", "kvexport/native/attention.c"],
+                           depends=["kvexport/native/ops.h"],
                            extra_compile_args=["-O3", "-std=c11", "-Wall"], libraries=["m"])],
     cmdclass={"build_ext": BuildNative},
 )

@@ -233,7 +233,7 @@ class GemvFloor:
             # the same matrices read the same way
             # and its quantized matrices run the kernel the engine runs (`qmm`: kvexport's where the engine's load
             # swapped it in)
-            self.sess, self.huge_pages, self.swapped = open_ort_session(Path(tmp) / "floor.onnx", threads,
+            self.sess, self.huge_pages, self.swapped, _ = open_ort_session(Path(tmp) / "floor.onnx", threads,
                                                                         huge_pages, qmm=qmm)
             if self.swapped:
                 self.label += QMATMUL_TAG

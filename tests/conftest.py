@@ -50,6 +50,16 @@ def default_artifact(shared: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def int8_cache_artifact(shared: Path, checkpoints: dict[str, Path]) -> Path:
+    """The llama family's cpu artifact with an int8 KV cache (`--kv int8`), built once per run."""
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+
+    return made_once(shared / "llama-kv-int8.kvx", lambda out: build(
+        checkpoints["llama"], out, target="cpu", max_seq=MAX_SEQ, options=BuildOptions(kv="int8"), verify=False))
+
+
+@pytest.fixture(scope="session")
 def artifacts(shared: Path, checkpoints: dict[str, Path]) -> dict[str, Path]:
     """cpu artifacts (static IR + optimized ORT graph), built lazily per family, once per run."""
     return _LazyArtifacts(shared, checkpoints)  # type: ignore[return-value]

@@ -24,11 +24,8 @@ from tests.conftest import MAX_SEQ, random_ids
 
 
 @pytest.fixture(scope="module")
-def int8_artifact(workdir: Path, checkpoints: dict[str, Path]) -> Path:
-    from kvexport.build import build
-
-    return build(checkpoints["llama"], workdir / "llama-kv-int8.kvx", target="cpu", max_seq=MAX_SEQ,
-                 options=BuildOptions(kv="int8"), verify=False)
+def int8_artifact(int8_cache_artifact: Path) -> Path:
+    return int8_cache_artifact
 
 
 @pytest.fixture(scope="module")

@@ -132,14 +132,15 @@ def test_swap_takes_only_the_nodes_the_kernel_computes() -> None:
     def swapped(isa: str, widths: tuple[int, ...]) -> set[str]:
         m = type(model)()
         m.CopyFrom(model)
-        n = native.swap(m, isa, widths)
+        n, attended = native.swap(m, isa, widths)
+        assert attended == 0
         names = {x.output[0] for x in m.graph.node if x.domain == native.DOMAIN}
         assert n == len(names)
         return names
 
     assert swapped("avx512-vnni", native.SWAP_BITS) == {"ok", "ok128"}  # 8-bit stays ONNX Runtime's by default
     assert swapped("avx2", (4, 8)) == {"ok", "ok128"}  # and on AVX2 always: its multiply would saturate
-    assert native.swap(model, "avx512-vnni", (4, 8)) == 3
+    assert native.swap(model, "avx512-vnni", (4, 8)) == (3, 0)
     kinds = {n.output[0]: (n.domain, n.op_type) for n in model.graph.node}
     assert kinds["ok"] == kinds["ok128"] == kinds["eight"] == (native.DOMAIN, native.OP)
     assert all(kinds[x] == ("com.microsoft", "MatMulNBits") for x in ("sixteen", "zp", "half"))

@@ -18,7 +18,7 @@ from kvexport.backends.cpu_quant import LM_HEAD_MODES, QUANTIZERS, Calibration
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import ArtifactError, InputError
 from kvexport.manifest import Manifest
-from kvexport.native import NOT_ASKED, Kernel
+from kvexport.native import ATTENTION_NOT_ASKED, NOT_ASKED, Kernel
 from kvexport.runtime.buffers import aligned_zeros, capacity_for, regrow
 from kvexport.runtime.hugepages import Placement, anonymous_regions, collapse_new
 from kvexport.runtime.ring import MASK_INPUT, RingSpec, chunks, sliding_mask
@@ -76,18 +76,20 @@ def session_options(threads: int, optimized_path: Path | None = None) -> Any:
     return so
 
 
-def open_ort_session(model: Path, threads: int, huge_pages: bool = True,
-                     off: str = HUGE_PAGES_OFF, qmm: Kernel | None = None) -> tuple[Any, Placement, int]:
+def open_ort_session(model: Path, threads: int, huge_pages: bool = True, off: str = HUGE_PAGES_OFF,
+                     qmm: Kernel | None = None, attn: Kernel | None = None) -> tuple[Any, Placement, int, int]:
     """An ONNX Runtime CPU session of `model` (session_options(threads)) whose weights, repacked while the session
     is made, are then moved to huge pages where the system allows (kvexport.runtime.hugepages; `huge_pages=False`
     leaves them in small pages and records `off` as why). With a usable `qmm`, its MatMulNBits nodes that
-    kvexport's native kernel takes run it (kvexport.native); the third value is how many were swapped."""
-    from kvexport.native import open_session
+    kvexport's native kernel takes run it, with a usable `attn` its GroupQueryAttention nodes over an int8 cache
+    (kvexport.native); the last two values are how many of each were swapped."""
+    from kvexport.native import ATTENTION_NOT_ASKED, open_session
 
     before = anonymous_regions() if huge_pages else None
-    sess, swapped = open_session(model, session_options(threads), qmm or NOT_ASKED, huge_pages)
+    sess, swapped, attended = open_session(model, session_options(threads), qmm or NOT_ASKED, huge_pages,
+                                           attn or ATTENTION_NOT_ASKED)
     placement = collapse_new(before) if huge_pages else Placement(0, 0.0, off, asked=False)
-    return sess, placement, swapped
+    return sess, placement, swapped, attended
 
 
 class CpuBackend(_Backend):
@@ -251,16 +253,22 @@ class CpuBackend(_Backend):
                    for t in model.graph.initializer)
 
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
-                     huge_pages: Any = None, native_matmul: Any = None, **options: Any) -> CpuSession:
+                     huge_pages: Any = None, native_matmul: Any = None, native_attention: Any = None,
+                     **options: Any) -> CpuSession:
         self.require_available()
         if options:
             raise InputError(f"the cpu target takes no options {sorted(options)}; it accepts threads=N, no_rebuild, "
                              "huge_pages=true|false (default: true for int8/int4 weights), native_matmul=true|false "
-                             "(default: true; kvexport's quantized matmul where it is built and the CPU runs it)")
+                             "(default: true; kvexport's quantized matmul where it is built and the CPU runs it), "
+                             "native_attention=true|false (default: true; kvexport's attention over an int8 cache, "
+                             "likewise)")
         from kvexport import native
 
         qmm = (native.kernel() if native_matmul is None or parse_bool("native_matmul", native_matmul)
               else Kernel(False, "", "off (load option native_matmul=false)"))
+        attn = (native.attention_kernel() if native_attention is None
+                or parse_bool("native_attention", native_attention)
+                else Kernel(False, "", "off (load option native_attention=false)", **native.ATTENTION_NAMES))
         target = manifest.target or {}
         quantized = (target.get("weights") or {}).get("dtype", "fp32") != "fp32"
         # default: quantized weights only. bench-1b int4 decoded 1.06-1.08x with them in huge pages; fp32's step
@@ -289,7 +297,7 @@ class CpuBackend(_Backend):
             model = folder / manifest.raw["ir"]["file"]
             warning = f"optimized graph made by onnxruntime {built_with}; loaded the portable IR instead"
         threads = threads or target.get("options", {}).get("threads") or default_threads()
-        return CpuSession(model, manifest, threads, warning, huge_pages=huge, huge_pages_off=off, qmm=qmm)
+        return CpuSession(model, manifest, threads, warning, huge_pages=huge, huge_pages_off=off, qmm=qmm, attn=attn)
 
     def kv_bytes_per_token(self, manifest: Manifest, kv: str) -> int:
         """int8: one byte per element; its per-channel scales are a fixed cost (target.kv.scale_bytes),
@@ -311,9 +319,12 @@ class CpuBackend(_Backend):
         try:
             k = native.kernel()
             qmm = f"kvexport QMatMul ({k.isa}) for 4-bit weights" if k.usable else f"ONNX Runtime's: {k.why}"
+            a = native.attention_kernel()
+            attn = f"kvexport Int8CacheAttention ({a.isa})" if a.usable else f"ONNX Runtime's: {a.why}"
         except BackendUnavailableError as e:
-            qmm = str(e)
-        return {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "quantized_matmul": qmm}
+            qmm = attn = str(e)
+        return {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "quantized_matmul": qmm,
+                "int8_cache_attention": attn}
 
 
 @dataclass
@@ -351,7 +362,8 @@ def _gptq_calibration(model: Path, folder: Path, manifest: Manifest, options: Bu
 
 class CpuSession(Session):
     def __init__(self, model: Path, manifest: Manifest, threads: int, warning: str | None = None,
-                 huge_pages: bool = False, huge_pages_off: str = HUGE_PAGES_OFF, qmm: Kernel | None = None):
+                 huge_pages: bool = False, huge_pages_off: str = HUGE_PAGES_OFF, qmm: Kernel | None = None,
+                 attn: Kernel | None = None):
         self.manifest, self.threads, self.warning = manifest, threads, warning
         cfg = manifest.config
         self.max_seq, self.vocab_size = manifest.max_seq, cfg.vocab_size
@@ -361,10 +373,12 @@ class CpuSession(Session):
         # positions a request may reach: past max_seq where every layer slides on a ring
         self.limit = self.ring.limit(self.max_seq) if self.ring else self.max_seq
         try:
-            self.sess, self.huge_pages, swapped = open_ort_session(model, threads, huge_pages, huge_pages_off, qmm)
+            self.sess, self.huge_pages, swapped, attended = open_ort_session(model, threads, huge_pages,
+                                                                             huge_pages_off, qmm, attn)
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
             raise ArtifactError(f"ONNX Runtime could not load {model}: {e}; rebuild the artifact") from e
         self.qmm = (qmm or NOT_ASKED).record(swapped)
+        self.attn = (attn or ATTENTION_NOT_ASKED).record(attended)
         # the cache dtype is the loaded graph's: int8 in an engine built with --kv int8, the IR's
         # float type in the IR (the fallback above) and in every other engine
         past = {i.name: i.type for i in self.sess.get_inputs()}[self.pairs[0][0]]
@@ -384,6 +398,7 @@ class CpuSession(Session):
         return {"threads": self.threads, "cache_policy": "grow", "device": "cpu",
                 "kv_dtype": np.dtype(self.cache_dtype).name, "warning": self.warning,
                 "huge_pages": self.huge_pages.record(), "quantized_matmul": self.qmm,
+                "int8_cache_attention": self.attn,
                 "ring": None if self.ring is None else {"window": self.ring.window, "layers": sorted(self.ring.layers)}}
 
     # --- state -----------------------------------------------------------------------------

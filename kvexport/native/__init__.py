@@ -1,12 +1,17 @@
-"""kvexport's native quantized matmul for ONNX Runtime (qmatmul.c beside this file), and the load-time swap to it.
+"""kvexport's native ops for ONNX Runtime (the C sources beside this file, one library), and the load-time swap to them.
 
-The `cpu` target's int4 engines hold ONNX Runtime's standard `MatMulNBits` nodes on disk. When such an engine is
-loaded on a CPU with AVX512-VNNI or AVX2+FMA and the library was built at install (setup.py), every 4-bit node the
-kernel takes (symmetric blocks, float scales, block size a multiple of 32) becomes `ai.kvexport.QMatMul`, with
-the same inputs and attributes, in the graph handed to ONNX Runtime; the file is not changed. Activations are
-quantized to int8 per 32-block, as MatMulNBits does at accuracy_level 4 (which takes the weights' block instead,
-where that is wider): at blocks of 32 the two agree to summation order. Every other node stays ONNX Runtime's
-(docs/backends/cpu.md).
+The `cpu` target's engines hold ONNX Runtime's standard nodes on disk; the library built at install (setup.py)
+replaces some of them in the graph handed to ONNX Runtime when an engine is loaded, with the same inputs and
+attributes; the file is not changed (docs/backends/cpu.md):
+
+- `ai.kvexport.QMatMul` (qmatmul.c), on a CPU with AVX512-VNNI or AVX2+FMA, for every 4-bit `MatMulNBits` it takes
+  (symmetric blocks, float scales, block size a multiple of 32). Activations are quantized to int8 per 32-block,
+  as MatMulNBits does at accuracy_level 4 (which takes the weights' block instead, where that is wider): at blocks
+  of 32 the two agree to summation order.
+- `ai.kvexport.Int8CacheAttention` (attention.c), on a CPU with AVX-512, for every `GroupQueryAttention` over an
+  int8 cache (`--kv int8`) it takes: the same bytes stored, the attention in fp32 over them, in another order.
+
+Every other node stays ONNX Runtime's.
 """
 from __future__ import annotations
 
@@ -17,25 +22,30 @@ from typing import Any
 
 DOMAIN = "ai.kvexport"
 OP = "QMatMul"
-LIBRARY = Path(__file__).with_name("libkvexport_qmatmul.so")
+ATTENTION_OP = "Int8CacheAttention"
+LIBRARY = Path(__file__).with_name("libkvexport_native.so")
 REQUIRE_ENV = "KVEXPORT_REQUIRE_NATIVE"  # set (CI): a missing library is an error, not a fallback
 ISA_ENV = "KVEXPORT_QMATMUL_ISA"  # "avx2": the AVX2 kernel on a CPU that has AVX512-VNNI as well
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """Which quantized-matmul kernel a load will use, and why."""
+    """Which kernel a load will use for one kind of node (kvexport's, `ours`, or ONNX Runtime's, `theirs`), and why."""
 
     usable: bool
-    isa: str  # "avx512-vnni", "avx2" or "" where unusable
+    isa: str  # "avx512-vnni", "avx2", "avx512" or "" where unusable
     why: str
+    ours: str = f"kvexport {OP}"
+    theirs: str = "onnxruntime MatMulNBits"
 
     def record(self, swapped: int = 0) -> dict[str, Any]:
-        name = f"kvexport QMatMul ({self.isa})" if self.usable and swapped else "onnxruntime MatMulNBits"
+        name = f"{self.ours} ({self.isa})" if self.usable and swapped else self.theirs
         return {"kernel": name, "nodes": swapped, "why": self.why}
 
 
 NOT_ASKED = Kernel(False, "", "not asked")  # a session made without asking for the kernel (an fp32 floor)
+ATTENTION_NAMES = {"ours": f"kvexport {ATTENTION_OP}", "theirs": "onnxruntime GroupQueryAttention"}
+ATTENTION_NOT_ASKED = Kernel(False, "", "not asked", **ATTENTION_NAMES)
 
 
 def isa_of(flags: set[str]) -> str:
@@ -46,28 +56,49 @@ def isa_of(flags: set[str]) -> str:
     return ""
 
 
-def kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel:
-    """Whether this machine can run the native kernel: the library built at install (`library`, by default
-    LIBRARY) and the ISA it needs."""
-    library = LIBRARY if library is None else library
+def _flags(flags: set[str] | None) -> set[str]:
     if flags is None:
         from kvexport.doctor import read_cpu_flags
 
-        flags = read_cpu_flags()
-    isa = isa_of(flags)
+        return read_cpu_flags()
+    return flags
+
+
+def _unbuilt(library: Path) -> str | None:
+    """Why the library cannot be loaded (None: it can); raises where REQUIRE_ENV asks for it."""
+    if library.is_file():
+        return None
+    why = ("not built: pip install found no ONNX Runtime C API headers or no C compiler "
+           "(run kvexport/native/fetch_ort_headers.sh, then pip install again)")
+    if os.environ.get(REQUIRE_ENV):
+        from kvexport.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"kvexport's native library is {why}; {REQUIRE_ENV} is set")
+    return why
+
+
+def kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel:
+    """Whether this machine can run the native quantized matmul: the library built at install (`library`, by
+    default LIBRARY) and the ISA it needs."""
+    isa = isa_of(_flags(flags))
     if isa and os.environ.get(ISA_ENV) == "avx2":
         isa = "avx2"  # the library reads the same variable (tests run both kernels where the CPU has both)
-    if not library.is_file():
-        why = ("not built: pip install found no ONNX Runtime C API headers or no C compiler "
-               "(run kvexport/native/fetch_ort_headers.sh, then pip install again)")
-        if os.environ.get(REQUIRE_ENV):
-            from kvexport.errors import BackendUnavailableError
-
-            raise BackendUnavailableError(f"kvexport's native quantized matmul is {why}; {REQUIRE_ENV} is set")
+    why = _unbuilt(LIBRARY if library is None else library)
+    if why:
         return Kernel(False, "", why)
     if not isa:
         return Kernel(False, "", "this CPU has neither AVX512-VNNI nor AVX2+FMA")
     return Kernel(True, isa, f"this CPU has {isa}")
+
+
+def attention_kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel:
+    """Whether this machine can run the native attention over an int8 cache: the library and AVX-512 (with FMA)."""
+    why = _unbuilt(LIBRARY if library is None else library)
+    if why:
+        return Kernel(False, "", why, **ATTENTION_NAMES)
+    if not {"avx512f", "fma"} <= _flags(flags):
+        return Kernel(False, "", "this CPU lacks AVX-512", **ATTENTION_NAMES)
+    return Kernel(True, "avx512", "this CPU has AVX-512", **ATTENTION_NAMES)
 
 
 def _attrs(node: Any) -> dict[str, Any]:
@@ -101,37 +132,84 @@ def takes(node: Any, dtypes: dict[str, int], isa: str = "avx512-vnni", widths: t
             and dtypes.get(inputs[1]) == TensorProto.UINT8 and dtypes.get(inputs[2]) == TensorProto.FLOAT)
 
 
-def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BITS, huge_pages: bool = True) -> int:
-    """Turn each MatMulNBits node of `widths` bits the kernel takes on `isa` into ai.kvexport.QMatMul, in place;
-    the number swapped. `huge_pages`: whether the kernel asks for huge pages for its packed weights."""
+# GroupQueryAttention attributes the attention op computes at these values only (ONNX Runtime's defaults)
+ATTENTION_DEFAULTS = {"softcap": 0.0, "local_window_size": -1, "qk_output": 0, "rotary_interleaved": 0,
+                      "sliding_window_cache": 0}
+ATTENTION_KEPT = ("num_heads", "kv_num_heads", "scale", "do_rotary")
+
+
+def takes_attention(node: Any) -> bool:
+    """A GroupQueryAttention the attention op computes: an 8-bit cache with per-tensor or per-channel scales, no
+    softcap, local window, smooth softmax, head sink or qk output, rotation (if any) rotate-half."""
+    if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
+        return False
+    a = _attrs(node)
+    inputs = list(node.input) + [""] * (14 - len(node.input))
+    quant = {a.get("k_quant_type", b"NONE"), a.get("v_quant_type", b"NONE")}
+    return (int(a.get("kv_cache_bit_width", 0)) == 8 and quant <= {b"PER_CHANNEL", b"PER_TENSOR"}
+            and int(a.get("smooth_softmax", 0)) != 1
+            and all(a.get(k, v) == v for k, v in ATTENTION_DEFAULTS.items())
+            and not inputs[11] and bool(inputs[12]) and bool(inputs[13]) and len(node.input) <= 14)
+
+
+def _graphs(graph: Any) -> Any:
+    """`graph` and every subgraph under it (If branches, loop bodies)."""
+    from onnx import AttributeProto
+
+    yield graph
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == AttributeProto.GRAPH:
+                yield from _graphs(a.g)
+            elif a.type == AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    yield from _graphs(g)
+
+
+def _retype(node: Any, op: str, kept: tuple[str, ...], extra: list[Any]) -> None:
+    node.op_type, node.domain = op, DOMAIN
+    keep = [a for a in node.attribute if a.name in kept]
+    del node.attribute[:]
+    node.attribute.extend([*keep, *extra])
+
+
+def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BITS, huge_pages: bool = True,
+         attention: bool = False) -> tuple[int, int]:
+    """Turn each MatMulNBits node of `widths` bits the matmul kernel takes on `isa` (none where `isa` is "") into
+    ai.kvexport.QMatMul, and with `attention` each GroupQueryAttention over an int8 cache the attention op takes
+    into ai.kvexport.Int8CacheAttention, in place, in every subgraph; the numbers swapped (matmuls, attentions).
+    `huge_pages`: whether the matmul kernel asks for huge pages for its packed weights."""
     from onnx import helper
 
-    dtypes = {t.name: t.data_type for t in model.graph.initializer}
-    n = 0
-    for node in model.graph.node:
-        if takes(node, dtypes, isa, widths):
-            node.op_type, node.domain = OP, DOMAIN
-            kept = [a for a in node.attribute if a.name in ("K", "N", "bits", "block_size")]
-            del node.attribute[:]
-            node.attribute.extend([*kept, helper.make_attribute("huge_pages", int(huge_pages))])
-            n += 1
-    if n and not any(o.domain == DOMAIN for o in model.opset_import):
+    dtypes = {t.name: t.data_type for g in _graphs(model.graph) for t in g.initializer}
+    n = m = 0
+    for graph in _graphs(model.graph):
+        for node in graph.node:
+            if isa and takes(node, dtypes, isa, widths):
+                _retype(node, OP, ("K", "N", "bits", "block_size"), [helper.make_attribute("huge_pages", int(huge_pages))])
+                n += 1
+            elif attention and takes_attention(node):
+                _retype(node, ATTENTION_OP, ATTENTION_KEPT, [])
+                m += 1
+    if (n or m) and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return n
+    return n, m
 
 
-def open_session(model_path: Path, options: Any, kern: Kernel, huge_pages: bool = True) -> tuple[Any, int]:
-    """An ONNX Runtime CPU session of `model_path` with the kernel swapped in where it applies (its weights read
-    from the graph's own external-data folder), and the number of nodes swapped; 0 where none applies, in which
-    case the file is loaded as it is."""
+def open_session(model_path: Path, options: Any, kern: Kernel, huge_pages: bool = True,
+                 attn: Kernel = ATTENTION_NOT_ASKED) -> tuple[Any, int, int]:
+    """An ONNX Runtime CPU session of `model_path` with the usable kernels (`kern`: the quantized matmul, `attn`:
+    the int8-cache attention) swapped in where they apply (weights read from the graph's own external-data folder),
+    and the numbers of nodes swapped (matmuls, attentions); where none applies the file is loaded as it is."""
     import onnx
     import onnxruntime as ort
 
-    model = onnx.load(str(model_path), load_external_data=False) if kern.usable else None
-    n = swap(model, kern.isa, huge_pages=huge_pages) if model is not None else 0
-    if not n:
-        return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"]), 0
+    model = onnx.load(str(model_path), load_external_data=False) if kern.usable or attn.usable else None
+    n, m = (swap(model, kern.isa if kern.usable else "", huge_pages=huge_pages, attention=attn.usable)
+            if model is not None else (0, 0))
+    if not (n or m):
+        return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"]), 0, 0
     options.register_custom_ops_library(str(LIBRARY))
     options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                      str(model_path.parent))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]), n
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]), n, m

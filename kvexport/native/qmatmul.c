@@ -33,6 +33,7 @@
 #include <sys/mman.h>
 
 #include "onnxruntime_c_api.h"
+#include "ops.h"
 
 #define ROWS 16
 #define QBLK 32
@@ -443,7 +444,7 @@ static int ORT_API_CALL end_version(const OrtCustomOp *op) {
 static OrtCustomOp g_op;
 static OrtCustomOpDomain *g_domain = NULL;
 
-/* Entry point for SessionOptions.register_custom_ops_library. */
+/* Entry point for SessionOptions.register_custom_ops_library: QMatMul here, Int8CacheAttention (attention.c). */
 OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
   if (g_ort == NULL) {
     g_ort = base->GetApi(ORT_API_VERSION);
@@ -470,6 +471,7 @@ OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtA
     g_op.GetEndVersion = end_version;
     RETURN_IF(g_ort->CreateCustomOpDomain("ai.kvexport", &g_domain));
     RETURN_IF(g_ort->CustomOpDomain_Add(g_domain, &g_op));
+    RETURN_IF(g_ort->CustomOpDomain_Add(g_domain, kvx_attention_op(g_ort)));
   }
   return g_ort->AddCustomOpDomain(options, g_domain);
 }

@@ -1,0 +1,606 @@
+/* kvexport's attention over an int8 KV cache, for ONNX Runtime's CPU execution provider.
+ *
+ * Op `Int8CacheAttention` in domain `ai.kvexport`: the inputs, outputs and meaning of com.microsoft
+ * `GroupQueryAttention` with kv_cache_bit_width 8 (ONNX Runtime 1.31): query (packed q|k|v, or q with key and value
+ * apart), past_key/past_value int8 (B, H_kv, max_seq, D) sharing their buffer with present_key/present_value,
+ * seqlens_k, total_sequence_length, cos/sin caches with position_ids (do_rotary, rotate-half), attention_bias, and
+ * k_scale/v_scale per tensor (1) or per channel (1, H_kv, 1, D). A new token's key is rotated (as MLAS rotates,
+ * fused multiply-add for multiply-add), stored as round(x * (1 / scale)) clipped to int8 at row
+ * seqlens_k - S + 1 + s, and every query token attends over rows 0 .. its own, read as q * scale. Where present is
+ * not bound to past's buffer, the held rows are copied into it and the rows past the new ones left zero. Not taken:
+ * softcap, local windows, smooth softmax, head sinks, qk output, interleaved rotation (kvexport.native swaps only
+ * the nodes without them).
+ *
+ * Why: at a long context a decode step reads the whole cache once, and ONNX Runtime 1.31's CPU kernel spends on
+ * an int8 cache about what it spends on an fp32 one four times its size (docs/backends/cpu.md measures both).
+ * Here each task takes one KV head and a run of cache rows for every query head of its group: 16 rows at a time
+ * are widened to float once, their dot products with the group's queries (the key scale and softmax scale folded
+ * into the query) come out of 16 accumulators reduced together, the softmax is taken over the run, and the value
+ * rows are summed with the weights; the runs' partial results (max, sum, weighted values) are merged after, the
+ * value scale applied once per channel. The cache is read once, in order, by 512-row runs spread over ONNX
+ * Runtime's intra-op threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <immintrin.h>
+
+#include "onnxruntime_c_api.h"
+#include "ops.h"
+
+#define RUN 512      /* cache rows a task */
+#define MAX_GROUP 16 /* query heads a KV head */
+#define MAX_D 256
+
+static const OrtApi *g_ort = NULL;
+
+typedef struct {
+  int64_t H, KV;
+  float scale; /* 0: 1 / sqrt(D) */
+  int rotary;
+} AKernel;
+
+/* ---------------------------------------------------------------- helpers */
+
+#define RETURN_IF(status_expr)          \
+  do {                                  \
+    OrtStatus *st_ = (status_expr);     \
+    if (st_ != NULL) return st_;        \
+  } while (0)
+
+static OrtStatus *fail(const char *msg) { return g_ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
+
+static OrtStatus *dims_of(const OrtValue *v, int64_t *dims, size_t *rank, ONNXTensorElementDataType *type) {
+  OrtTensorTypeAndShapeInfo *info = NULL;
+  RETURN_IF(g_ort->GetTensorTypeAndShape(v, &info));
+  OrtStatus *st = g_ort->GetDimensionsCount(info, rank);
+  if (st == NULL && *rank > 8) st = fail("Int8CacheAttention: tensor of rank above 8");
+  if (st == NULL) st = g_ort->GetDimensions(info, dims, *rank);
+  if (st == NULL && type != NULL) st = g_ort->GetTensorElementType(info, type);
+  g_ort->ReleaseTensorTypeAndShapeInfo(info);
+  return st;
+}
+
+static int64_t count_of(const int64_t *dims, size_t rank) {
+  int64_t n = 1;
+  for (size_t i = 0; i < rank; i++) n *= dims[i];
+  return n;
+}
+
+/* An optional input: NULL where the node leaves it out. */
+static OrtStatus *input(OrtKernelContext *ctx, size_t i, const OrtValue **v) {
+  *v = NULL;
+  size_t n = 0;
+  RETURN_IF(g_ort->KernelContext_GetInputCount(ctx, &n));
+  if (i < n) RETURN_IF(g_ort->KernelContext_GetInput(ctx, i, v));
+  return NULL;
+}
+
+static OrtStatus *data_of(const OrtValue *v, void **p) {
+  *p = NULL;
+  return v == NULL ? NULL : g_ort->GetTensorMutableData((OrtValue *)v, p);
+}
+
+/* ---------------------------------------------------------------- the new rows: rotate, quantize, store */
+
+/* MLAS's rotate-half, a fused multiply-add for each multiply-add as its vector kernels compute it, so that the
+ * bytes stored match what ONNX Runtime's kernel stores. */
+__attribute__((target("avx512f,fma"))) static void rotate(const float *x, const float *cs, const float *sn,
+                                                         int64_t half, int64_t D, float *out) {
+  for (int64_t i = 0; i < half; i++) {
+    const float re = x[i], im = x[i + half];
+    out[i] = fmaf(re, cs[i], -(im * sn[i]));
+    out[i + half] = fmaf(re, sn[i], im * cs[i]);
+  }
+  for (int64_t i = 2 * half; i < D; i++) out[i] = x[i];
+}
+
+static void quantize_row(const float *x, const float *scale, int64_t D, int8_t *q) {
+  for (int64_t d = 0; d < D; d++) {
+    float v = nearbyintf(x[d] * (1.0f / scale[d]));
+    v = v < -128.f ? -128.f : (v > 127.f ? 127.f : v);
+    q[d] = (int8_t)v;
+  }
+}
+
+/* ---------------------------------------------------------------- attention over runs of cache rows */
+
+typedef struct {
+  int64_t B, S, H, KV, G, D, max_seq, runs;
+  const int8_t *kc, *vc; /* present caches (B, KV, max_seq, D) */
+  const float *q;        /* (B, S, H, D): rotated, times the key scale and the softmax scale */
+  const int64_t *last;   /* (B, S): the last row each query token attends to */
+  const float *bias;     /* attention_bias or NULL: bias[b * bb + h * bh + s * bs + j] */
+  int64_t bb, bh, bs;
+  float *part; /* per task and head of its group: max, sum, weighted values (D) */
+} AJob;
+
+/* 16 vectors -> one vector of their 16 sums */
+__attribute__((target("avx512f"))) static inline __m512 sum16(const __m512 *v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; i++)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* e^x to about 2 ulp; 0 below -104 (a masked score) */
+__attribute__((target("avx512f,fma"))) static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+
+/* rows [j0, j1) of cache rows int8 (stride D) -> float, 16 rows a call, zeros past j1 */
+__attribute__((target("avx512f"))) static inline void widen16(const int8_t *rows, int64_t n, int64_t NV, float *out) {
+  for (int64_t r = 0; r < 16; r++)
+    for (int64_t c = 0; c < NV; c++) {
+      const __m512 v = r < n ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(rows + (r * NV + c) * 16))))
+                             : _mm512_setzero_ps();
+      _mm512_storeu_ps(out + (r * NV + c) * 16, v);
+    }
+}
+
+__attribute__((target("avx512f,fma"), always_inline)) static inline void attend_run(const AJob *J, size_t task,
+                                                                                   const int64_t NV) {
+  const int64_t G = J->G, D = J->D;
+  const int64_t run = (int64_t)task % J->runs, kvh = ((int64_t)task / J->runs) % J->KV;
+  const int64_t bs_ = (int64_t)task / (J->runs * J->KV), b = bs_ / J->S, s = bs_ % J->S;
+  float *part = J->part + (int64_t)task * G * (D + 2);
+  const int64_t j0 = run * RUN, j1 = J->last[bs_] + 1 < j0 + RUN ? J->last[bs_] + 1 : j0 + RUN;
+  if (j1 <= j0) {
+    for (int64_t g = 0; g < G; g++) part[g * (D + 2)] = -INFINITY, part[g * (D + 2) + 1] = 0.f;
+    return;
+  }
+  const int64_t n = j1 - j0;
+  const int8_t *K = J->kc + ((b * J->KV + kvh) * J->max_seq + j0) * D;
+  const int8_t *V = J->vc + ((b * J->KV + kvh) * J->max_seq + j0) * D;
+  const float *q = J->q + ((b * J->S + s) * J->H + kvh * G) * D;
+  float sc[MAX_GROUP * RUN] __attribute__((aligned(64)));
+  float wide[16 * MAX_D] __attribute__((aligned(64)));
+
+  /* scores: q . k for 16 rows at a time */
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {
+    widen16(K + r0 * D, n - r0, NV, wide);
+    for (int64_t g = 0; g < G; g++) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < NV; c++) {
+        const __m512 qv = _mm512_loadu_ps(q + g * D + c * 16);
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wide + (r * NV + c) * 16), qv, acc[r]);
+      }
+      _mm512_storeu_ps(sc + g * RUN + r0, sum16(acc));
+    }
+  }
+  /* softmax over the run, unnormalized: its max and its sum go to the merge */
+  for (int64_t g = 0; g < G; g++) {
+    float *x = sc + g * RUN;
+    if (J->bias != NULL) {
+      const float *bias = J->bias + b * J->bb + (kvh * G + g) * J->bh + s * J->bs + j0;
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = first(n - j);
+        _mm512_mask_storeu_ps(x + j, m, _mm512_add_ps(_mm512_loadu_ps(x + j), _mm512_maskz_loadu_ps(m, bias + j)));
+      }
+    }
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) mx = _mm512_mask_max_ps(mx, first(n - j), mx, _mm512_loadu_ps(x + j));
+    const float m = _mm512_reduce_max_ps(mx);
+    memset(part + g * (D + 2) + 2, 0, (size_t)D * sizeof(float));
+    if (m == -INFINITY) { /* every row of the run masked out */
+      part[g * (D + 2)] = m;
+      part[g * (D + 2) + 1] = 0.f;
+      memset(x, 0, (size_t)n * sizeof(float));
+      continue;
+    }
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = first(n - j);
+      const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv)));
+      _mm512_storeu_ps(x + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    part[g * (D + 2)] = m;
+    part[g * (D + 2) + 1] = _mm512_reduce_add_ps(sum);
+  }
+  /* weighted values */
+  if (NV == 4 && G <= 6) {
+    /* one row widened into registers, every head of the group summed from it: 4 x G accumulators */
+    __m512 acc[6][4];
+#pragma GCC unroll 6
+    for (int g = 0; g < 6; g++)
+      for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < n; r++) {
+      __m512 v[4];
+      for (int c = 0; c < 4; c++)
+        v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(V + r * 64 + c * 16))));
+#pragma GCC unroll 6
+      for (int g = 0; g < 6; g++) {
+        if (g >= G) break;
+        const __m512 w = _mm512_set1_ps(sc[g * RUN + r]);
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+      }
+    }
+#pragma GCC unroll 6
+    for (int g = 0; g < 6; g++) {
+      if (g >= G) break;
+      for (int c = 0; c < 4; c++) _mm512_storeu_ps(part + g * (D + 2) + 2 + c * 16, acc[g][c]);
+    }
+    return;
+  }
+  /* any other shape: 16 rows widened at a time, four sums a channel block to keep the adds apart */
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {
+    const int64_t rows = n - r0 < 16 ? n - r0 : 16;
+    widen16(V + r0 * D, rows, NV, wide);
+    for (int64_t g = 0; g < G; g++) {
+      const float *p = sc + g * RUN + r0;
+      float *o = part + g * (D + 2) + 2;
+      for (int64_t c = 0; c < NV; c++) {
+        __m512 a0 = _mm512_loadu_ps(o + c * 16), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
+               a3 = _mm512_setzero_ps();
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4) {
+          a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[r]), _mm512_loadu_ps(wide + (r * NV + c) * 16), a0);
+          a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[r + 1]), _mm512_loadu_ps(wide + ((r + 1) * NV + c) * 16), a1);
+          a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[r + 2]), _mm512_loadu_ps(wide + ((r + 2) * NV + c) * 16), a2);
+          a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[r + 3]), _mm512_loadu_ps(wide + ((r + 3) * NV + c) * 16), a3);
+        }
+        for (; r < rows; r++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[r]), _mm512_loadu_ps(wide + (r * NV + c) * 16), a0);
+        _mm512_storeu_ps(o + c * 16, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f,fma"))) static void attend_task(void *data, size_t task) {
+  const AJob *J = (const AJob *)data;
+  if (J->D == 64)
+    attend_run(J, task, 4); /* the common head size, its loops unrolled */
+  else
+    attend_run(J, task, J->D / 16);
+}
+
+/* ---------------------------------------------------------------- ONNX Runtime glue */
+
+static int has_avx512(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+}
+
+static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info,
+                                             void **out) {
+  (void)op;
+  (void)api;
+  int64_t H = 0, KV = 0, rotary = 0;
+  float scale = 0.f;
+  RETURN_IF(g_ort->KernelInfoGetAttribute_int64(info, "num_heads", &H));
+  RETURN_IF(g_ort->KernelInfoGetAttribute_int64(info, "kv_num_heads", &KV));
+  OrtStatus *absent = g_ort->KernelInfoGetAttribute_float(info, "scale", &scale);
+  if (absent != NULL) {
+    g_ort->ReleaseStatus(absent);
+    scale = 0.f;
+  }
+  absent = g_ort->KernelInfoGetAttribute_int64(info, "do_rotary", &rotary);
+  if (absent != NULL) {
+    g_ort->ReleaseStatus(absent);
+    rotary = 0;
+  }
+  if (H <= 0 || KV <= 0 || H % KV != 0 || H / KV > MAX_GROUP)
+    return fail("Int8CacheAttention: num_heads must be a multiple of kv_num_heads, at most 16 times it");
+  if (!has_avx512()) return fail("Int8CacheAttention: this CPU lacks AVX-512");
+  AKernel *k = (AKernel *)calloc(1, sizeof(AKernel));
+  if (k == NULL) return g_ort->CreateStatus(ORT_FAIL, "Int8CacheAttention: out of memory");
+  k->H = H, k->KV = KV, k->scale = scale, k->rotary = rotary != 0;
+  *out = k;
+  return NULL;
+}
+
+/* per-channel scales (H_kv * D) from a k_scale/v_scale input: one value (per tensor) or H_kv * D */
+static OrtStatus *channel_scales(const OrtValue *v, int64_t KV, int64_t D, float *out) {
+  if (v == NULL) return fail("Int8CacheAttention: k_scale and v_scale are required");
+  int64_t dims[8];
+  size_t rank = 0;
+  ONNXTensorElementDataType type;
+  RETURN_IF(dims_of(v, dims, &rank, &type));
+  const int64_t n = count_of(dims, rank);
+  if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || (n != 1 && n != KV * D))
+    return fail("Int8CacheAttention: a scale is neither one float nor one per KV head and channel");
+  void *p = NULL;
+  RETURN_IF(data_of(v, &p));
+  for (int64_t i = 0; i < KV * D; i++) out[i] = ((const float *)p)[n == 1 ? 0 : i];
+  return NULL;
+}
+
+static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
+  const AKernel *k = (const AKernel *)kernel;
+  const int64_t H = k->H, KV = k->KV, G = H / KV;
+  const OrtValue *in[14];
+  for (size_t i = 0; i < 14; i++) RETURN_IF(input(ctx, i, &in[i]));
+  if (in[0] == NULL || in[3] == NULL || in[4] == NULL || in[5] == NULL || in[6] == NULL)
+    return fail("Int8CacheAttention: query, past_key, past_value, seqlens_k and total_sequence_length are required");
+  if (in[11] != NULL) return fail("Int8CacheAttention: head_sink is not taken");
+  int64_t qd[8], pd[8], dims[8];
+  size_t qr = 0, pr = 0, rank = 0;
+  ONNXTensorElementDataType type;
+  RETURN_IF(dims_of(in[0], qd, &qr, &type));
+  if (qr != 3 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return fail("Int8CacheAttention: query is not (B, S, hidden) float");
+  RETURN_IF(dims_of(in[3], pd, &pr, &type));
+  if (pr != 4 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) return fail("Int8CacheAttention: past_key is not (B, H_kv, max_seq, D) int8");
+  const int64_t B = qd[0], S = qd[1], D = pd[3], max_seq = pd[2];
+  const int packed = in[1] == NULL;
+  if (pd[0] != B || pd[1] != KV || D % 16 != 0 || D > MAX_D)
+    return fail("Int8CacheAttention: past_key's batch or heads differ from the query's, or its head size is not a multiple of 16 up to 256");
+  if (qd[2] != (packed ? (H + 2 * KV) * D : H * D)) return fail("Int8CacheAttention: query's width is not the heads' (packed q|k|v or q)");
+  RETURN_IF(dims_of(in[4], dims, &rank, &type));
+  if (rank != 4 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 || memcmp(dims, pd, sizeof(int64_t) * 4) != 0)
+    return fail("Int8CacheAttention: past_value is not past_key's shape in int8");
+  if (!packed) {
+    if (in[2] == NULL) return fail("Int8CacheAttention: key without value");
+    for (int i = 1; i <= 2; i++) {
+      RETURN_IF(dims_of(in[i], dims, &rank, &type));
+      if (rank != 3 || dims[0] != B || dims[1] != S || dims[2] != KV * D)
+        return fail("Int8CacheAttention: key/value are not (B, S, H_kv * D)");
+    }
+  }
+  RETURN_IF(dims_of(in[5], dims, &rank, &type));
+  if (count_of(dims, rank) != B || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32) return fail("Int8CacheAttention: seqlens_k is not (B) int32");
+  void *p = NULL;
+  RETURN_IF(data_of(in[5], &p));
+  const int32_t *seqlens = (const int32_t *)p;
+  RETURN_IF(data_of(in[6], &p));
+  const int64_t total = *(const int32_t *)p;
+
+  /* rotary tables and positions */
+  const float *cs = NULL, *sn = NULL;
+  const int64_t *pos = NULL;
+  int64_t half = 0, table = 0;
+  if (k->rotary) {
+    if (in[7] == NULL || in[8] == NULL) return fail("Int8CacheAttention: do_rotary without cos_cache and sin_cache");
+    RETURN_IF(dims_of(in[7], dims, &rank, &type));
+    if (rank != 2 || 2 * dims[1] > D) return fail("Int8CacheAttention: cos_cache is not (positions, rotary_dim / 2)");
+    table = dims[0], half = dims[1];
+    RETURN_IF(data_of(in[7], &p));
+    cs = (const float *)p;
+    RETURN_IF(data_of(in[8], &p));
+    sn = (const float *)p;
+    if (in[9] != NULL) {
+      RETURN_IF(dims_of(in[9], dims, &rank, &type));
+      if (count_of(dims, rank) != B * S || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64)
+        return fail("Int8CacheAttention: position_ids is not (B, S) int64");
+      RETURN_IF(data_of(in[9], &p));
+      pos = (const int64_t *)p;
+    }
+  }
+  /* attention bias (B or 1, H or 1, S, total) */
+  const float *bias = NULL;
+  int64_t bb = 0, bh = 0, bsd = 0;
+  if (in[10] != NULL) {
+    RETURN_IF(dims_of(in[10], dims, &rank, &type));
+    if (rank != 4 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || (dims[0] != 1 && dims[0] != B) ||
+        (dims[1] != 1 && dims[1] != H) || dims[2] != S || dims[3] != total)
+      return fail("Int8CacheAttention: attention_bias is not (B or 1, H or 1, S, total_sequence_length) float");
+    bsd = dims[3], bh = dims[1] == 1 ? 0 : S * bsd, bb = dims[0] == 1 ? 0 : dims[1] * S * bsd;
+    RETURN_IF(data_of(in[10], &p));
+    bias = (const float *)p;
+  }
+
+  /* outputs: present shares past's buffer where the caller bound it so; else past is copied in first */
+  int64_t od[3] = {B, S, H * D};
+  OrtValue *ov = NULL, *pk = NULL, *pv = NULL;
+  RETURN_IF(g_ort->KernelContext_GetOutput(ctx, 0, od, 3, &ov));
+  RETURN_IF(g_ort->KernelContext_GetOutput(ctx, 1, pd, 4, &pk));
+  RETURN_IF(g_ort->KernelContext_GetOutput(ctx, 2, pd, 4, &pv));
+  void *outp = NULL, *kc = NULL, *vc = NULL, *kpast = NULL, *vpast = NULL, *qp = NULL, *kp = NULL, *vp = NULL;
+  RETURN_IF(data_of(ov, &outp));
+  RETURN_IF(data_of(pk, &kc));
+  RETURN_IF(data_of(pv, &vc));
+  RETURN_IF(data_of(in[3], &kpast));
+  RETURN_IF(data_of(in[4], &vpast));
+  RETURN_IF(data_of(in[0], &qp));
+  if (!packed) {
+    RETURN_IF(data_of(in[1], &kp));
+    RETURN_IF(data_of(in[2], &vp));
+  }
+  /* present apart from past (not bound in place): each row's held rows copied, the rest zero, as ONNX Runtime's
+   * kernel leaves them */
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t held = (int64_t)seqlens[b] + 1 - S;
+    if (held < 0 || seqlens[b] >= max_seq) continue; /* refused below */
+    for (int i = 0; i < 2; i++) {
+      int8_t *to = (int8_t *)(i ? vc : kc);
+      const int8_t *from = (const int8_t *)(i ? vpast : kpast);
+      if (to == from) continue;
+      for (int64_t h = 0; h < KV; h++) {
+        const int64_t off = (b * KV + h) * max_seq * D;
+        memcpy(to + off, from + off, (size_t)(held * D));
+        memset(to + off + held * D, 0, (size_t)((max_seq - held) * D));
+      }
+    }
+  }
+  if (B * S == 0) return NULL;
+
+  /* scratch: scales, rotated queries, last rows, the runs' partial results */
+  const int64_t runs = (max_seq + RUN - 1) / RUN, tasks = B * S * KV * runs;
+  const size_t floats = (size_t)(2 * KV * D + B * S * H * D + 2 * D + tasks * G * (D + 2));
+  int64_t *last = (int64_t *)malloc((size_t)(B * S) * sizeof(int64_t) + floats * sizeof(float));
+  if (last == NULL) return g_ort->CreateStatus(ORT_FAIL, "Int8CacheAttention: out of memory");
+  float *ks = (float *)(last + B * S), *vs = ks + KV * D, *qs = vs + KV * D, *tmp = qs + B * S * H * D;
+  float *part = tmp + 2 * D;
+  OrtStatus *st = channel_scales(in[12], KV, D, ks);
+  if (st == NULL) st = channel_scales(in[13], KV, D, vs);
+  for (int64_t b = 0; st == NULL && b < B; b++) {
+    const int64_t past = (int64_t)seqlens[b] + 1 - S;
+    if (past < 0 || seqlens[b] >= max_seq || (bias != NULL && seqlens[b] >= total)) {
+      st = fail("Int8CacheAttention: seqlens_k is outside the cache (or past total_sequence_length)");
+      break;
+    }
+    for (int64_t s = 0; s < S; s++) {
+      const int64_t row = past + s, bs_ = b * S + s;
+      last[bs_] = row;
+      const float *x = (const float *)qp + bs_ * qd[2];
+      const float *kx = packed ? x + H * D : (const float *)kp + bs_ * KV * D;
+      const float *vx = packed ? x + (H + KV) * D : (const float *)vp + bs_ * KV * D;
+      const int64_t at = pos != NULL ? pos[bs_] : row;
+      if (k->rotary && (at < 0 || at >= table)) {
+        st = fail("Int8CacheAttention: a position is outside the cos/sin tables");
+        break;
+      }
+      const float scale = k->scale != 0.f ? k->scale : 1.0f / sqrtf((float)D);
+      for (int64_t h = 0; h < H; h++) {
+        const float *xh = x + h * D, *sc = ks + (h / G) * D;
+        float *qh = qs + (bs_ * H + h) * D;
+        if (k->rotary) rotate(xh, cs + at * half, sn + at * half, half, D, qh);
+        else memcpy(qh, xh, (size_t)D * sizeof(float));
+        for (int64_t d = 0; d < D; d++) qh[d] *= sc[d] * scale;
+      }
+      for (int64_t h = 0; h < KV; h++) {
+        const int64_t off = ((b * KV + h) * max_seq + row) * D;
+        const float *kh = kx + h * D;
+        if (k->rotary) rotate(kh, cs + at * half, sn + at * half, half, D, tmp), kh = tmp;
+        quantize_row(kh, ks + h * D, D, (int8_t *)kc + off);
+        quantize_row(vx + h * D, vs + h * D, D, (int8_t *)vc + off);
+      }
+    }
+  }
+  if (st == NULL) {
+    AJob J = {B, S, H, KV, G, D, max_seq, runs, (const int8_t *)kc, (const int8_t *)vc, qs, last, bias, bb, bh, bsd, part};
+    st = g_ort->KernelContext_ParallelFor(ctx, attend_task, (size_t)tasks, 0, &J);
+  }
+  /* merge the runs of each query head; the value scale once per channel */
+  for (int64_t bs_ = 0; st == NULL && bs_ < B * S; bs_++)
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t kvh = h / G, g = h % G;
+      float m = -INFINITY, l = 0.f;
+      float *o = (float *)outp + (bs_ * H + h) * D;
+      for (int64_t r = 0; r < runs; r++) {
+        const float *pr_ = part + ((bs_ * KV + kvh) * runs + r) * G * (D + 2) + g * (D + 2);
+        if (pr_[1] > 0.f && pr_[0] > m) m = pr_[0];
+      }
+      memset(tmp, 0, (size_t)D * sizeof(float));
+      for (int64_t r = 0; r < runs; r++) {
+        const float *pr_ = part + ((bs_ * KV + kvh) * runs + r) * G * (D + 2) + g * (D + 2);
+        if (!(pr_[1] > 0.f)) continue;
+        const float w = expf(pr_[0] - m);
+        l += w * pr_[1];
+        for (int64_t d = 0; d < D; d++) tmp[d] += w * pr_[2 + d];
+      }
+      for (int64_t d = 0; d < D; d++) o[d] = l > 0.f ? tmp[d] * vs[kvh * D + d] / l : 0.f;
+    }
+  free(last);
+  return st;
+}
+
+static void ORT_API_CALL destroy(void *kernel) { free(kernel); }
+
+static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
+  (void)op;
+  return "Int8CacheAttention";
+}
+static const char *ORT_API_CALL op_ep(const OrtCustomOp *op) {
+  (void)op;
+  return "CPUExecutionProvider";
+}
+static ONNXTensorElementDataType ORT_API_CALL in_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  switch (i) {
+    case 3:
+    case 4:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    case 5:
+    case 6:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    case 9:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    default:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+}
+static size_t ORT_API_CALL in_count(const OrtCustomOp *op) {
+  (void)op;
+  return 14;
+}
+static ONNXTensorElementDataType ORT_API_CALL out_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+}
+static size_t ORT_API_CALL out_count(const OrtCustomOp *op) {
+  (void)op;
+  return 3;
+}
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL in_required(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return (i == 0 || (i >= 3 && i <= 6)) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+}
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL out_required(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return INPUT_OUTPUT_REQUIRED;
+}
+static OrtMemType ORT_API_CALL in_mem(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return OrtMemTypeDefault;
+}
+static int ORT_API_CALL one(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static int ORT_API_CALL start_version(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static int ORT_API_CALL end_version(const OrtCustomOp *op) {
+  (void)op;
+  return 0x7fffffff;
+}
+
+static OrtCustomOp g_op;
+
+const OrtCustomOp *kvx_attention_op(const OrtApi *api) {
+  if (g_ort == NULL) {
+    g_ort = api;
+    memset(&g_op, 0, sizeof(g_op));
+    g_op.version = ORT_API_VERSION;
+    g_op.GetName = op_name;
+    g_op.GetExecutionProviderType = op_ep;
+    g_op.GetInputType = in_type;
+    g_op.GetInputTypeCount = in_count;
+    g_op.GetOutputType = out_type;
+    g_op.GetOutputTypeCount = out_count;
+    g_op.GetInputCharacteristic = in_required;
+    g_op.GetOutputCharacteristic = out_required;
+    g_op.GetInputMemoryType = in_mem;
+    g_op.GetVariadicInputMinArity = one;
+    g_op.GetVariadicInputHomogeneity = one;
+    g_op.GetVariadicOutputMinArity = one;
+    g_op.GetVariadicOutputHomogeneity = one;
+    g_op.CreateKernelV2 = create_kernel;
+    g_op.KernelComputeV2 = compute;
+    g_op.KernelDestroy = destroy;
+    g_op.GetStartVersion = start_version;
+    g_op.GetEndVersion = end_version;
+  }
+  return &g_op;
+}

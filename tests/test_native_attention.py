@@ -1,0 +1,254 @@
+"""kvexport's attention over an int8 KV cache (kvexport/native/attention.c): the op against ONNX Runtime's quantized
+GroupQueryAttention on the same inputs and the same bound cache, which nodes the load-time swap takes, and a
+`--kv int8` engine loaded with and without it.
+
+The op runs where the library was built at install and the CPU has AVX-512: its tests are skipped elsewhere (an
+AVX2-only CPU keeps ONNX Runtime's kernel, which the engine tests there exercise). CI (.ci/run) builds the library
+and sets KVEXPORT_REQUIRE_NATIVE, so there a missing library fails these tests instead of skipping them."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kvexport import native
+from kvexport.doctor import read_cpu_flags
+
+FLAGS = read_cpu_flags()
+
+
+def _runs_here() -> None:
+    if not native.LIBRARY.is_file():
+        if os.environ.get(native.REQUIRE_ENV):
+            pytest.fail(f"{native.LIBRARY} was not built and {native.REQUIRE_ENV} is set")
+        pytest.skip("the native library was not built at install (no ONNX Runtime headers): see setup.py")
+    if not native.attention_kernel(FLAGS).usable:
+        pytest.skip("this CPU lacks AVX-512: int8-cache engines run ONNX Runtime's kernel here")
+
+
+def _model(B: int, H: int, KV: int, D: int, C: int, *, packed: bool, rotary: bool, bias: bool, per_channel: bool,
+           ours: bool) -> onnx.ModelProto:
+    """One quantized GroupQueryAttention (ONNX Runtime's, or the same node as kvexport's op) over a (B, KV, C, D)
+    int8 cache, scales as initializers; rotary tables of C + 8 positions."""
+    rng = np.random.default_rng(1)
+    inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [B, None, ((H + 2 * KV) if packed else H) * D])]
+    if not packed:
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [B, None, KV * D]) for n in ("k", "v")]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.INT8, [B, KV, C, D]) for n in ("past_k", "past_v")]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [B]),
+               helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    names = ["q", "", "", "past_k", "past_v", "seqlens_k", "total", "", "", "", "", "", "k_scale", "v_scale"]
+    if not packed:
+        names[1:3] = ["k", "v"]
+    shape = [1, KV, 1, D] if per_channel else [1]
+    inits = [numpy_helper.from_array(rng.uniform(0.01, 0.05, shape).astype(np.float32), n) for n in ("k_scale", "v_scale")]
+    attrs: dict = {"num_heads": H, "kv_num_heads": KV, "scale": float(1 / np.sqrt(D))}
+    if rotary:
+        angles = np.arange(C + 8)[:, None] / 10000.0 ** (np.arange(D // 2) / (D // 2))
+        inits += [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"),
+                  numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
+        names[7:10] = ["cos", "sin", "position_ids"]
+        inputs.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, [B, None]))
+        attrs["do_rotary"] = 1
+    if bias:
+        names[10] = "bias"
+        inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, [B, 1, None, None]))
+    quant = "PER_CHANNEL" if per_channel else "PER_TENSOR"
+    node = helper.make_node("GroupQueryAttention", names, ["out", "present_k", "present_v"], domain="com.microsoft",
+                            kv_cache_bit_width=8, k_quant_type=quant, v_quant_type=quant, **attrs)
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None),
+               *(helper.make_tensor_value_info(n, TensorProto.INT8, None) for n in ("present_k", "present_v"))]
+    model = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs, inits), ir_version=10,
+                              opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("com.microsoft", 1)])
+    if ours:
+        assert native.swap(model, "", attention=True) == (0, 1)
+    return model
+
+
+def _session(model: onnx.ModelProto):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    if any(o.domain == native.DOMAIN for o in model.opset_import):
+        so.register_custom_ops_library(str(native.LIBRARY))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _run(sess, feeds: dict[str, np.ndarray], caches: tuple[np.ndarray, np.ndarray], in_place: bool) -> tuple:
+    """One step with the caches bound as past (and as present where `in_place`): the output and the presents."""
+    b = sess.io_binding()
+    for name, arr in feeds.items():
+        b.bind_cpu_input(name, arr)
+    for name, buf in zip(("past_k", "past_v"), caches):
+        b.bind_input(name, "cpu", 0, np.int8, buf.shape, buf.ctypes.data)
+    b.bind_output("out")
+    for name, buf in zip(("present_k", "present_v"), caches):
+        if in_place:
+            b.bind_output(name, "cpu", 0, np.int8, buf.shape, buf.ctypes.data)
+        else:
+            b.bind_output(name)
+    sess.run_with_iobinding(b)
+    out = b.get_outputs()
+    return out[0].numpy(), (caches if in_place else (out[1].numpy(), out[2].numpy()))
+
+
+CASES = {  # (B, H, KV, D, C, packed, rotary, bias, per_channel, row lengths, new tokens per step)
+    "bench-125m-shape": (1, 12, 4, 64, 1100, True, True, True, True, [1030], 1),
+    "rows-apart": (2, 8, 2, 64, 700, False, False, False, True, [10, 600], 1),
+    "head-128-group-1": (2, 8, 8, 128, 300, True, True, True, True, [0, 250], 1),
+    "head-32-per-tensor": (3, 6, 2, 32, 1100, True, False, True, False, [513, 1023, 5], 1),
+    "group-8-head-80": (1, 16, 2, 80, 200, True, True, False, True, [77], 1),
+    "several-new-tokens": (1, 4, 2, 64, 600, True, True, True, True, [530], 3),  # ONNX Runtime: batch 1 then
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
+def test_the_op_stores_onnxruntimes_bytes_and_attends_as_it_does(case: str, in_place: bool) -> None:
+    """Three steps through ONNX Runtime's quantized kernel and through the op, each on its own copy of one random
+    int8 cache: the stored bytes equal exactly (the new key rotated and both rows rounded as the kernel does), the
+    rest of the cache untouched, the outputs equal to float order (runs of rows summed apart and merged). Rows of
+    a batch at different lengths, a masked prefix through attention_bias, packed and separate q|k|v, per-tensor
+    and per-channel scales, head sizes 32 to 128, groups of 1 to 8 query heads."""
+    _runs_here()
+    B, H, KV, D, C, packed, rotary, bias, per_channel, lengths, S = CASES[case]
+    flags = {"packed": packed, "rotary": rotary, "bias": bias, "per_channel": per_channel}
+    theirs, ours = (_session(_model(B, H, KV, D, C, ours=o, **flags)) for o in (False, True))
+    rng = np.random.default_rng(2)
+    start = rng.integers(-127, 128, (2, B, KV, C, D)).astype(np.int8)
+    caches = [(start[0].copy(), start[1].copy()), (start[0].copy(), start[1].copy())]
+    held = np.array(lengths)  # rows each batch row holds before the step
+    for _ in range(3):
+        x = (rng.standard_normal((B, S, (H + 2 * KV) * D)) * 2).astype(np.float32)
+        feeds = {"seqlens_k": (held + S - 1).astype(np.int32), "total": np.array(held.max() + S, np.int32)}
+        feeds.update({"q": x} if packed else {"q": x[..., :H * D].copy(), "k": x[..., H * D:(H + KV) * D].copy(),
+                                             "v": x[..., (H + KV) * D:].copy()})
+        if rotary:
+            feeds["position_ids"] = (held[:, None] + np.arange(S) + 5).astype(np.int64)
+        if bias:
+            mask = np.zeros((B, 1, S, held.max() + S), np.float32)
+            mask[0, 0, :, :min(3, held[0])] = np.finfo(np.float32).min  # row 0 attends past its first three slots
+            feeds["bias"] = mask
+        (want, (wk, wv)), (got, (gk, gv)) = (_run(s, feeds, c, in_place) for s, c in zip((theirs, ours), caches))
+        for w, g in ((wk, gk), (wv, gv)):
+            np.testing.assert_array_equal(g, w)
+        for b in range(B):  # the new rows written where seqlens_k says; the held rows kept; the rest untouched in
+            end = held[b] + S  # place, zero in a present of its own (as ONNX Runtime leaves it)
+            assert (gk[b, :, held[b]:end] != start[0][b, :, held[b]:end]).any()
+            np.testing.assert_array_equal(gk[b, :, :held[b]], start[0][b, :, :held[b]])
+            np.testing.assert_array_equal(gk[b, :, end:], start[0][b, :, end:] if in_place else 0)
+        np.testing.assert_allclose(got, want, atol=5e-5 * float(np.abs(want).max()))
+        if not in_place:
+            caches = [(wk, wv), (gk, gv)]
+        start = (caches[1][0].copy(), caches[1][1].copy())
+        held = held + S
+
+
+def test_the_op_refuses_what_it_cannot_compute() -> None:
+    """Errors at run time, typed by ONNX Runtime, for a cache past its end and a position past the tables."""
+    _runs_here()
+    sess = _session(_model(1, 4, 2, 64, 64, packed=True, rotary=True, bias=False, per_channel=True, ours=True))
+    caches = (np.zeros((1, 2, 64, 64), np.int8), np.zeros((1, 2, 64, 64), np.int8))
+    x = np.ones((1, 1, 8 * 64), np.float32)
+    feeds = {"q": x, "seqlens_k": np.array([64], np.int32), "total": np.array(65, np.int32),
+             "position_ids": np.array([[3]], np.int64)}
+    with pytest.raises(Exception, match="seqlens_k is outside the cache"):
+        _run(sess, feeds, caches, True)
+    feeds.update(seqlens_k=np.array([10], np.int32), total=np.array(11, np.int32), position_ids=np.array([[500]], np.int64))
+    with pytest.raises(Exception, match="outside the cos/sin tables"):
+        _run(sess, feeds, caches, True)
+
+
+def test_the_swap_takes_only_the_attention_it_computes() -> None:
+    """Only GroupQueryAttention over an 8-bit cache without softcap, local window, smooth softmax, head sink, qk
+    output or interleaved rotation, found inside If branches too; fp32-cache nodes stay ONNX Runtime's."""
+    base = _model(1, 4, 2, 64, 64, packed=True, rotary=True, bias=False, per_channel=True, ours=False)
+    node = base.graph.node[0]
+
+    def variant(**change: object) -> onnx.NodeProto:
+        n = onnx.NodeProto()
+        n.CopyFrom(node)
+        for key, value in change.items():
+            if key == "head_sink":
+                n.input[11] = "sink"
+                continue
+            kept = [a for a in n.attribute if a.name != key]
+            del n.attribute[:]
+            n.attribute.extend(kept)
+            if value is not None:
+                n.attribute.append(helper.make_attribute(key, value))
+        return n
+
+    assert native.takes_attention(variant())
+    assert native.takes_attention(variant(smooth_softmax=-1))  # ONNX Runtime's off, as the cpu engine writes it
+    for refused in ({"kv_cache_bit_width": None}, {"kv_cache_bit_width": 4}, {"softcap": 30.0},
+                    {"local_window_size": 16}, {"smooth_softmax": 1}, {"qk_output": 1}, {"rotary_interleaved": 1},
+                    {"k_quant_type": "NONE"}, {"head_sink": True}):
+        assert not native.takes_attention(variant(**refused)), refused
+    # inside an If's branch, as the cpu engine holds it (kvexport.backends.cpu_kv.branch_attention)
+    g = base.graph
+    branch = helper.make_graph([variant()], "one", [], list(g.output))
+    other = helper.make_graph([variant(kv_cache_bit_width=None)], "many", [], list(g.output))
+    cond = helper.make_tensor_value_info("many", TensorProto.BOOL, [])
+    wrapped = helper.make_model(helper.make_graph(
+        [helper.make_node("If", ["many"], ["out", "present_k", "present_v"], then_branch=other, else_branch=branch)],
+        "g", [*g.input, cond], list(g.output), list(g.initializer)), opset_imports=list(base.opset_import))
+    assert native.swap(wrapped, "", attention=True) == (0, 1)
+    branches = {a.name: a.g.node[0] for a in wrapped.graph.node[0].attribute}
+    assert (branches["else_branch"].domain, branches["else_branch"].op_type) == (native.DOMAIN, native.ATTENTION_OP)
+    assert {a.name for a in branches["else_branch"].attribute} == {"num_heads", "kv_num_heads", "scale", "do_rotary"}
+    assert branches["then_branch"].op_type == "GroupQueryAttention"
+    assert native.swap(wrapped, "", attention=False) == (0, 0)
+
+
+def test_without_avx512_or_the_library_onnxruntime_attends() -> None:
+    k = native.attention_kernel({"avx2", "fma"})
+    assert not k.usable and "AVX-512" in k.why
+    assert k.record(0)["kernel"] == "onnxruntime GroupQueryAttention"
+    if native.LIBRARY.is_file():
+        on = native.attention_kernel({"avx512f", "fma"})
+        assert on.usable and on.record(3) == {"kernel": "kvexport Int8CacheAttention (avx512)", "nodes": 3,
+                                              "why": "this CPU has AVX-512"}
+
+
+def test_an_int8_cache_engine_decodes_the_same_with_the_op(int8_cache_artifact: Path) -> None:
+    """The same `--kv int8` artifact loaded with the op and with ONNX Runtime's kernel, fed the same tokens for 30
+    steps: the cache bytes equal after every step and the logits agree to float order (the op is swapped into
+    the one-token branch of every layer; prompts take the fp32 branch either way)."""
+    import kvexport
+    from kvexport.errors import InputError
+
+    _runs_here()
+    ours = kvexport.load(str(int8_cache_artifact), threads=2)
+    theirs = kvexport.load(str(int8_cache_artifact), threads=2, native_attention="false")
+    layers = ours.manifest.config.num_hidden_layers
+    assert ours.session.describe()["int8_cache_attention"] == {
+        "kernel": "kvexport Int8CacheAttention (avx512)", "nodes": layers, "why": "this CPU has AVX-512"}
+    assert theirs.session.describe()["int8_cache_attention"] == {
+        "kernel": "onnxruntime GroupQueryAttention", "nodes": 0, "why": "off (load option native_attention=false)"}
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 200, 40)]
+    a, b = ours.prefill(prompt, 31), theirs.prefill(prompt, 31)
+    la, lb = a.logits, b.logits
+    for _ in range(30):
+        np.testing.assert_allclose(la, lb, atol=1e-4 * float(np.abs(lb).max()))
+        assert all(np.array_equal(x, y) for x, y in zip(a.state.caches, b.state.caches))
+        tok = lb.argmax(-1)
+        la, lb = ours.decode(a, tok), theirs.decode(b, tok)
+    with pytest.raises(InputError, match="native_attention"):
+        kvexport.load(str(int8_cache_artifact), native_attention="maybe")
+
+
+def test_doctor_says_which_int8_cache_attention_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kvexport.backends.cpu import CpuBackend
+
+    monkeypatch.delenv(native.REQUIRE_ENV, raising=False)
+    k = native.attention_kernel()
+    said = CpuBackend().doctor()["int8_cache_attention"]
+    assert said == (f"kvexport Int8CacheAttention ({k.isa})" if k.usable else f"ONNX Runtime's: {k.why}")
+    monkeypatch.setattr(native, "LIBRARY", tmp_path / "absent.so")
+    assert CpuBackend().doctor()["int8_cache_attention"].startswith("ONNX Runtime's: not built")
