@@ -11,8 +11,8 @@
  * softcap, local windows, smooth softmax, head sinks, qk output, interleaved rotation (kvexport.native swaps only
  * the nodes without them).
  *
- * Why: at a long context a decode step reads the whole cache once, and ONNX Runtime 1.31's CPU kernel spends on
- * an int8 cache about what it spends on an fp32 one four times its size (docs/backends/cpu.md measures both).
+ * Why: at a long context a decode step reads the whole cache once, and on the Zen 4 measured ONNX Runtime 1.31's CPU
+ * kernel spends on an int8 cache about what it spends on an fp32 one four times its size (docs/backends/cpu.md).
  * Here each task takes one KV head and a run of cache rows for every query head of its group: 16 rows at a time
  * are widened to float once, their dot products with the group's queries (the key scale and softmax scale folded
  * into the query) come out of 16 accumulators reduced together, the softmax is taken over the run, and the value
