@@ -35,6 +35,7 @@ class ConfigReader:
         self.model_type = model_type
         self.raw = raw
         self.problems: list[str] = []
+        self.missing: list[str] = []  # required keys the config lacks
 
     def get(self, key: str, default: Any = None) -> Any:
         v = self.raw.get(key, default)
@@ -42,6 +43,7 @@ class ConfigReader:
 
     def require(self, key: str) -> Any:
         if self.raw.get(key) is None:
+            self.missing.append(key)
             self.problems.append(f"config.json has no `{key}`, which {self.model_type} needs")
             return 0
         return self.raw[key]
@@ -530,6 +532,10 @@ def config_problems(raw: Mapping[str, Any]) -> tuple[DecoderConfig | None, list[
             return None, [str(e)]
     r = ConfigReader(model_type, raw)
     cfg = ARCHITECTURES[model_type].map_config(r)
+    experts = ("num_local_experts", "num_experts") if cfg.num_experts else ()
+    unmodelled = _unmodelled_features(raw, modelled=ARCHITECTURES[model_type].modelled + experts)
+    if r.missing:  # checks derived from a missing field would judge its placeholder, not the checkpoint
+        return cfg, r.problems + unmodelled
     if cfg.num_attention_heads and cfg.num_key_value_heads and cfg.num_attention_heads % cfg.num_key_value_heads:
         r.problems.append(
             f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
@@ -541,9 +547,7 @@ def config_problems(raw: Mapping[str, Any]) -> tuple[DecoderConfig | None, list[
         r.problems.append(f"`rope_parameters`: longrope has {len(cfg.rope.short_factor)} short/long factors but the "
                           f"rotary dimension {cfg.effective_rotary_dim} has {cfg.effective_rotary_dim // 2} "
                           "frequencies (supported: one factor per frequency)")
-    experts = ("num_local_experts", "num_experts") if cfg.num_experts else ()
-    r.problems += _unmodelled_features(raw, modelled=ARCHITECTURES[model_type].modelled + experts)
-    return cfg, r.problems
+    return cfg, r.problems + unmodelled
 
 
 # Config keys whose non-default value changes what the model computes in a way no family here models.

@@ -178,6 +178,17 @@ def test_check_lists_every_problem_at_once() -> None:
     assert len(problems) == 2
 
 
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_a_missing_field_is_named_without_problems_derived_from_it(family: str) -> None:
+    """A required key the config lacks is one problem: the head-count check is not run on its placeholder (it
+    used to add `num_attention_heads=1 is not a multiple of ...`), while problems of other fields still show."""
+    raw = {k: v for k, v in TINY_CONFIGS[family].items() if k != "num_attention_heads"}
+    _, problems = config_problems(raw)
+    assert problems == [f"config.json has no `num_attention_heads`, which {raw['model_type']} needs"]
+    _, problems = config_problems({**raw, "hidden_act": "bogus"})
+    assert len(problems) == 2 and any("hidden_act" in p for p in problems)
+
+
 def test_missing_weights_file(tmp_path: Path) -> None:
     d = write_checkpoint(TINY_CONFIGS["llama"], tmp_path / "m")
     (d / "model.safetensors").unlink()
