@@ -165,8 +165,8 @@ def test_the_op_refuses_what_it_cannot_compute() -> None:
 
 
 def test_the_swap_takes_only_the_attention_it_computes() -> None:
-    """Only GroupQueryAttention over an 8-bit cache without softcap, local window, smooth softmax, head sink, qk
-    output or interleaved rotation, found inside If branches too; fp32-cache nodes stay ONNX Runtime's."""
+    """Only causal GroupQueryAttention over an 8-bit cache without softcap, local window, smooth softmax, head
+    sink, qk output or interleaved rotation, found inside If branches too; fp32-cache nodes stay ONNX Runtime's."""
     base = _model(1, 4, 2, 64, 64, packed=True, rotary=True, bias=False, per_channel=True, ours=False)
     node = base.graph.node[0]
 
@@ -188,7 +188,7 @@ def test_the_swap_takes_only_the_attention_it_computes() -> None:
     assert native.takes_attention(variant(smooth_softmax=-1))  # ONNX Runtime's off, as the cpu engine writes it
     for refused in ({"kv_cache_bit_width": None}, {"kv_cache_bit_width": 4}, {"softcap": 30.0},
                     {"local_window_size": 16}, {"smooth_softmax": 1}, {"qk_output": 1}, {"rotary_interleaved": 1},
-                    {"k_quant_type": "NONE"}, {"head_sink": True}):
+                    {"k_quant_type": "NONE"}, {"head_sink": True}, {"causal": 0}):
         assert not native.takes_attention(variant(**refused)), refused
     # inside an If's branch, as the cpu engine holds it (kvexport.backends.cpu_kv.branch_attention)
     g = base.graph

@@ -83,7 +83,7 @@ def open_ort_session(model: Path, threads: int, huge_pages: bool = True, off: st
     leaves them in small pages and records `off` as why). With a usable `qmm`, its MatMulNBits nodes that
     kvexport's native kernel takes run it, with a usable `attn` its GroupQueryAttention nodes over an int8 cache
     (kvexport.native); the last two values are how many of each were swapped."""
-    from kvexport.native import ATTENTION_NOT_ASKED, open_session
+    from kvexport.native import open_session
 
     before = anonymous_regions() if huge_pages else None
     sess, swapped, attended = open_session(model, session_options(threads), qmm or NOT_ASKED, huge_pages,

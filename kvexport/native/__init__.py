@@ -134,13 +134,13 @@ def takes(node: Any, dtypes: dict[str, int], isa: str = "avx512-vnni", widths: t
 
 # GroupQueryAttention attributes the attention op computes at these values only (ONNX Runtime's defaults)
 ATTENTION_DEFAULTS = {"softcap": 0.0, "local_window_size": -1, "qk_output": 0, "rotary_interleaved": 0,
-                      "sliding_window_cache": 0}
+                      "sliding_window_cache": 0, "causal": 1}
 ATTENTION_KEPT = ("num_heads", "kv_num_heads", "scale", "do_rotary")
 
 
 def takes_attention(node: Any) -> bool:
-    """A GroupQueryAttention the attention op computes: an 8-bit cache with per-tensor or per-channel scales, no
-    softcap, local window, smooth softmax, head sink or qk output, rotation (if any) rotate-half."""
+    """A GroupQueryAttention the attention op computes: an 8-bit cache with per-tensor or per-channel scales,
+    causal, no softcap, local window, smooth softmax, head sink or qk output, rotation (if any) rotate-half."""
     if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
         return False
     a = _attrs(node)

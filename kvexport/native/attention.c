@@ -8,8 +8,8 @@
  * fused multiply-add for multiply-add), stored as round(x * (1 / scale)) clipped to int8 at row
  * seqlens_k - S + 1 + s, and every query token attends over rows 0 .. its own, read as q * scale. Where present is
  * not bound to past's buffer, the held rows are copied into it and the rows past the new ones left zero. Not taken:
- * softcap, local windows, smooth softmax, head sinks, qk output, interleaved rotation (kvexport.native swaps only
- * the nodes without them).
+ * non-causal attention, softcap, local windows, smooth softmax, head sinks, qk output, interleaved rotation
+ * (kvexport.native swaps only the nodes without them).
  *
  * Why: at a long context a decode step reads the whole cache once, and on the Zen 4 measured ONNX Runtime 1.31's CPU
  * kernel spends on an int8 cache about what it spends on an fp32 one four times its size (docs/backends/cpu.md).
@@ -100,7 +100,7 @@ __attribute__((target("avx512f,fma"))) static void rotate(const float *x, const 
 static void quantize_row(const float *x, const float *scale, int64_t D, int8_t *q) {
   for (int64_t d = 0; d < D; d++) {
     float v = nearbyintf(x[d] * (1.0f / scale[d]));
-    v = v < -128.f ? -128.f : (v > 127.f ? 127.f : v);
+    v = v < -128.f ? -128.f : (v > 127.f ? 127.f : (v == v ? v : 0.f)); /* NaN (a zero scale): 0, not UB */
     q[d] = (int8_t)v;
   }
 }
@@ -369,6 +369,9 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   void *p = NULL;
   RETURN_IF(data_of(in[5], &p));
   const int32_t *seqlens = (const int32_t *)p;
+  RETURN_IF(dims_of(in[6], dims, &rank, &type));
+  if (count_of(dims, rank) != 1 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
+    return fail("Int8CacheAttention: total_sequence_length is not one int32");
   RETURN_IF(data_of(in[6], &p));
   const int64_t total = *(const int32_t *)p;
 
