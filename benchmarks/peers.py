@@ -19,7 +19,8 @@ into scheduler steps of that many tokens. A kvexport system written `ART@piece=4
 calls of that many tokens instead of the runtime's PREFILL_PIECE (before against after, in one run);
 an intel artifact written `ART@paged_min=100000` prefills every prompt in one stateful call, as before the
 paged prefill (the intel load option paged_prefill_min); a cpu artifact written `ART@huge_pages=false` keeps its
-repacked weights in small pages (the cpu load option huge_pages; where each engine's weights lie is printed).
+repacked weights in small pages (the cpu load option huge_pages; where each engine's weights lie is printed), and
+`ART@native_attention=false` or `ART@native_matmul=false` runs ONNX Runtime's kernels in place of kvexport's own.
 
 `bench` runs the protocol of docs/benchmarks.md: greedy, 64 new tokens, batch 1, 2 threads, every
 system warmed up (an 8-token prompt at load, then one untimed pass at each prompt length before its
@@ -81,8 +82,9 @@ class KvexportRunner:
             session.PREFILL_PIECE = int(options["piece"])
         # paged_min: the intel target's long-prompt threshold, its load option paged_prefill_min
         load: dict[str, object] = {"paged_prefill_min": int(options["paged_min"])} if "paged_min" in options else {}
-        if "huge_pages" in options:  # the cpu target's load option: the repacked weights in huge pages or not
-            load["huge_pages"] = options["huge_pages"]
+        for key in ("huge_pages", "native_matmul", "native_attention"):  # the cpu target's load options of those
+            if key in options:  # names: the repacked weights in huge pages, kvexport's own kernels (or not)
+                load[key] = options[key]
         self.engine = kvexport.load(str(path), threads=threads, **load)
         self.vocab = self.engine.vocab_size
         target = self.engine.manifest.target or {}
@@ -244,10 +246,11 @@ class Worker:
         self.proc.wait()
 
 
-SPEC_KEYS = {"openvino": ("kv", "batched_tokens", "precision"), "kvexport": ("piece", "paged_min", "huge_pages"),
-             "ortgenai": ()}
+SPEC_KEYS = {"openvino": ("kv", "batched_tokens", "precision"),
+             "kvexport": ("piece", "paged_min", "huge_pages", "native_matmul", "native_attention"), "ortgenai": ()}
 # the worded options; the others are positive integers
-CHOICES = {"kv": OV_KV, "precision": OV_PRECISION, "huge_pages": ("true", "false")}
+CHOICES = {"kv": OV_KV, "precision": OV_PRECISION, **{k: ("true", "false") for k in
+                                                      ("huge_pages", "native_matmul", "native_attention")}}
 
 
 def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
@@ -255,9 +258,10 @@ def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
     kv=f32|f16|bf16|u8 (its cache precision; --ov-kv where not given), precision=f32|bf16 (its inference precision,
     f32 where not given; under bf16 its paged cache must be bf16 or u8) and batched_tokens=N (its scheduler's
     max_num_batched_tokens; unlimited where not given, as LLMPipeline's own latency default); a kvexport
-    artifact takes piece=N (the prompt tokens one engine call takes, kvexport.runtime.session.PREFILL_PIECE) and,
-    on the intel target, paged_min=N (the shortest prompt prefilled through paged attention: the load option
-    paged_prefill_min)."""
+    artifact takes piece=N (the prompt tokens one engine call takes, kvexport.runtime.session.PREFILL_PIECE), on
+    the intel target paged_min=N (the shortest prompt prefilled through paged attention: the load option
+    paged_prefill_min), on the cpu target huge_pages, native_matmul and native_attention=true|false (its load
+    options)."""
     folder, _, tail = text.partition("@")
     kind = kind_of(Path(folder))
     options = {"ov_kv": ov_kv}
