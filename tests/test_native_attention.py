@@ -2,9 +2,10 @@
 GroupQueryAttention on the same inputs and the same bound cache, which nodes the load-time swap takes, and a
 `--kv int8` engine loaded with and without it.
 
-The op runs where the library was built at install and the CPU has AVX-512: its tests are skipped elsewhere (an
-AVX2-only CPU keeps ONNX Runtime's kernel, which the engine tests there exercise). CI (.ci/run) builds the library
-and sets KVEXPORT_REQUIRE_NATIVE, so there a missing library fails these tests instead of skipping them."""
+The op runs where the library was built at install and the CPU has AVX-512 or AVX2+FMA: each ISA's tests run where
+the CPU has it (both on an AVX-512 CPU, the AVX2 kernel through KVEXPORT_ATTENTION_ISA=avx2) and are skipped
+elsewhere. CI (.ci/run) builds the library and sets KVEXPORT_REQUIRE_NATIVE, so there a missing library fails these
+tests instead of skipping them."""
 from __future__ import annotations
 
 import os
@@ -19,15 +20,21 @@ from kvexport import native
 from kvexport.doctor import read_cpu_flags
 
 FLAGS = read_cpu_flags()
+HAVE = {"avx512": native.attention_isa_of(FLAGS) == "avx512", "avx2": bool(native.attention_isa_of(FLAGS))}
+ISAS = ["avx512", "avx2"]
 
 
-def _runs_here() -> None:
+def _runs_here(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if not native.LIBRARY.is_file():
         if os.environ.get(native.REQUIRE_ENV):
             pytest.fail(f"{native.LIBRARY} was not built and {native.REQUIRE_ENV} is set")
         pytest.skip("the native library was not built at install (no ONNX Runtime headers): see setup.py")
-    if not native.attention_kernel(FLAGS).usable:
-        pytest.skip("this CPU lacks AVX-512: int8-cache engines run ONNX Runtime's kernel here")
+    if not HAVE[isa]:
+        pytest.skip(f"this CPU lacks {isa}")
+    if isa == "avx2":
+        monkeypatch.setenv(native.ATTENTION_ISA_ENV, "avx2")
+    else:
+        monkeypatch.delenv(native.ATTENTION_ISA_ENV, raising=False)
 
 
 def _model(B: int, H: int, KV: int, D: int, C: int, *, packed: bool, rotary: bool, bias: bool, per_channel: bool,
@@ -109,13 +116,15 @@ CASES = {  # (B, H, KV, D, C, packed, rotary, bias, per_channel, row lengths, ne
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
-def test_the_op_stores_onnxruntimes_bytes_and_attends_as_it_does(case: str, in_place: bool) -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_op_stores_onnxruntimes_bytes_and_attends_as_it_does(case: str, in_place: bool, isa: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Three steps through ONNX Runtime's quantized kernel and through the op, each on its own copy of one random
     int8 cache: the stored bytes equal exactly (the new key rotated and both rows rounded as the kernel does), the
     rest of the cache untouched, the outputs equal to float order (runs of rows summed apart and merged). Rows of
     a batch at different lengths, a masked prefix through attention_bias, packed and separate q|k|v, per-tensor
-    and per-channel scales, head sizes 32 to 128, groups of 1 to 8 query heads."""
-    _runs_here()
+    and per-channel scales, head sizes 32 to 128, groups of 1 to 8 query heads; each ISA's kernel."""
+    _runs_here(isa, monkeypatch)
     B, H, KV, D, C, packed, rotary, bias, per_channel, lengths, S = CASES[case]
     flags = {"packed": packed, "rotary": rotary, "bias": bias, "per_channel": per_channel}
     theirs, ours = (_session(_model(B, H, KV, D, C, ours=o, **flags)) for o in (False, True))
@@ -149,9 +158,10 @@ def test_the_op_stores_onnxruntimes_bytes_and_attends_as_it_does(case: str, in_p
         held = held + S
 
 
-def test_the_op_refuses_what_it_cannot_compute() -> None:
+def test_the_op_refuses_what_it_cannot_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     """Errors at run time, typed by ONNX Runtime, for a cache past its end and a position past the tables."""
-    _runs_here()
+    _runs_here("avx2", monkeypatch)
+    monkeypatch.delenv(native.ATTENTION_ISA_ENV, raising=False)  # the kernel this CPU takes by default
     sess = _session(_model(1, 4, 2, 64, 64, packed=True, rotary=True, bias=False, per_channel=True, ours=True))
     caches = (np.zeros((1, 2, 64, 64), np.int8), np.zeros((1, 2, 64, 64), np.int8))
     x = np.ones((1, 1, 8 * 64), np.float32)
@@ -206,29 +216,35 @@ def test_the_swap_takes_only_the_attention_it_computes() -> None:
     assert native.swap(wrapped, "", attention=False) == (0, 0)
 
 
-def test_without_avx512_or_the_library_onnxruntime_attends() -> None:
-    k = native.attention_kernel({"avx2", "fma"})
-    assert not k.usable and "AVX-512" in k.why
+def test_which_kernel_each_cpu_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(native.ATTENTION_ISA_ENV, raising=False)
+    k = native.attention_kernel({"sse4_2"})
+    assert not k.usable and ("neither AVX-512 nor AVX2" in k.why or "not built" in k.why)
     assert k.record(0)["kernel"] == "onnxruntime GroupQueryAttention"
     if native.LIBRARY.is_file():
-        on = native.attention_kernel({"avx512f", "fma"})
+        on = native.attention_kernel({"avx512f", "avx2", "fma"})
         assert on.usable and on.record(3) == {"kernel": "kvexport Int8CacheAttention (avx512)", "nodes": 3,
-                                              "why": "this CPU has AVX-512"}
+                                              "why": "this CPU has avx512"}
+        assert native.attention_kernel({"avx2", "fma"}).isa == "avx2"
+        monkeypatch.setenv(native.ATTENTION_ISA_ENV, "avx2")
+        assert native.attention_kernel({"avx512f", "avx2", "fma"}).isa == "avx2"
 
 
-def test_an_int8_cache_engine_decodes_the_same_with_the_op(int8_cache_artifact: Path) -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_an_int8_cache_engine_decodes_the_same_with_the_op(isa: str, int8_cache_artifact: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The same `--kv int8` artifact loaded with the op and with ONNX Runtime's kernel, fed the same tokens for 30
     steps: the cache bytes equal after every step and the logits agree to float order (the op is swapped into
     the one-token branch of every layer; prompts take the fp32 branch either way)."""
     import kvexport
     from kvexport.errors import InputError
 
-    _runs_here()
+    _runs_here(isa, monkeypatch)
     ours = kvexport.load(str(int8_cache_artifact), threads=2)
     theirs = kvexport.load(str(int8_cache_artifact), threads=2, native_attention="false")
     layers = ours.manifest.config.num_hidden_layers
     assert ours.session.describe()["int8_cache_attention"] == {
-        "kernel": "kvexport Int8CacheAttention (avx512)", "nodes": layers, "why": "this CPU has AVX-512"}
+        "kernel": f"kvexport Int8CacheAttention ({isa})", "nodes": layers, "why": f"this CPU has {isa}"}
     assert theirs.session.describe()["int8_cache_attention"] == {
         "kernel": "onnxruntime GroupQueryAttention", "nodes": 0, "why": "off (load option native_attention=false)"}
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 200, 40)]

@@ -8,8 +8,8 @@ attributes; the file is not changed (docs/backends/cpu.md):
   (symmetric blocks, float scales, block size a multiple of 32). Activations are quantized to int8 per 32-block,
   as MatMulNBits does at accuracy_level 4 (which takes the weights' block instead, where that is wider): at blocks
   of 32 the two agree to summation order.
-- `ai.kvexport.Int8CacheAttention` (attention.c), on a CPU with AVX-512, for every `GroupQueryAttention` over an
-  int8 cache (`--kv int8`) it takes: the same bytes stored, the attention in fp32 over them, in another order.
+- `ai.kvexport.Int8CacheAttention` (attention.c), on a CPU with AVX-512 or AVX2+FMA, for every `GroupQueryAttention`
+  over an int8 cache (`--kv int8`) it takes: the same bytes stored, the attention in fp32 over them, in another order.
 
 Every other node stays ONNX Runtime's.
 """
@@ -26,6 +26,7 @@ ATTENTION_OP = "Int8CacheAttention"
 LIBRARY = Path(__file__).with_name("libkvexport_native.so")
 REQUIRE_ENV = "KVEXPORT_REQUIRE_NATIVE"  # set (CI): a missing library is an error, not a fallback
 ISA_ENV = "KVEXPORT_QMATMUL_ISA"  # "avx2": the AVX2 kernel on a CPU that has AVX512-VNNI as well
+ATTENTION_ISA_ENV = "KVEXPORT_ATTENTION_ISA"  # "avx2": the attention's AVX2 kernel on a CPU with AVX-512 too
 
 
 @dataclass(frozen=True)
@@ -91,14 +92,25 @@ def kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel
     return Kernel(True, isa, f"this CPU has {isa}")
 
 
+def attention_isa_of(flags: set[str]) -> str:
+    if {"avx512f", "fma"} <= flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return ""
+
+
 def attention_kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel:
-    """Whether this machine can run the native attention over an int8 cache: the library and AVX-512 (with FMA)."""
+    """Whether this machine can run the native attention over an int8 cache: the library and AVX-512 or AVX2+FMA."""
+    isa = attention_isa_of(_flags(flags))
+    if isa and os.environ.get(ATTENTION_ISA_ENV) == "avx2":
+        isa = "avx2"  # the library reads the same variable
     why = _unbuilt(LIBRARY if library is None else library)
     if why:
         return Kernel(False, "", why, **ATTENTION_NAMES)
-    if not {"avx512f", "fma"} <= _flags(flags):
-        return Kernel(False, "", "this CPU lacks AVX-512", **ATTENTION_NAMES)
-    return Kernel(True, "avx512", "this CPU has AVX-512", **ATTENTION_NAMES)
+    if not isa:
+        return Kernel(False, "", "this CPU has neither AVX-512 nor AVX2+FMA", **ATTENTION_NAMES)
+    return Kernel(True, isa, f"this CPU has {isa}", **ATTENTION_NAMES)
 
 
 def _attrs(node: Any) -> dict[str, Any]:

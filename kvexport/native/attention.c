@@ -40,6 +40,7 @@ typedef struct {
   int64_t H, KV;
   float scale; /* 0: 1 / sqrt(D) */
   int rotary;
+  int isa; /* 2: AVX-512, 1: AVX2 + FMA */
 } AKernel;
 
 /* ---------------------------------------------------------------- helpers */
@@ -87,7 +88,7 @@ static OrtStatus *data_of(const OrtValue *v, void **p) {
 
 /* MLAS's rotate-half, a fused multiply-add for each multiply-add as its vector kernels compute it, so that the
  * bytes stored match what ONNX Runtime's kernel stores. */
-__attribute__((target("avx512f,fma"))) static void rotate(const float *x, const float *cs, const float *sn,
+__attribute__((target("avx2,fma"))) static void rotate(const float *x, const float *cs, const float *sn,
                                                          int64_t half, int64_t D, float *out) {
   for (int64_t i = 0; i < half; i++) {
     const float re = x[i], im = x[i + half];
@@ -115,6 +116,7 @@ typedef struct {
   const float *bias;     /* attention_bias or NULL: bias[b * bb + h * bh + s * bs + j] */
   int64_t bb, bh, bs;
   float *part; /* per task and head of its group: max, sum, weighted values (D) */
+  int isa;
 } AJob;
 
 /* 16 vectors -> one vector of their 16 sums */
@@ -274,19 +276,153 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void attend_
   }
 }
 
-__attribute__((target("avx512f,fma"))) static void attend_task(void *data, size_t task) {
-  const AJob *J = (const AJob *)data;
+/* ---------------------------------------------------------------- the same with AVX2: 8 rows a block */
+
+/* 8 vectors -> one vector of their 8 sums */
+__attribute__((target("avx2,fma"))) static inline __m256 sum8(const __m256 *v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* e^x as exp16 computes it; 0 below -87 (a masked score) */
+__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
+  const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(masked, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* 8 cache rows (stride D) -> float, zeros past n */
+__attribute__((target("avx2,fma"))) static inline void widen8(const int8_t *rows, int64_t n, int64_t NV, float *out) {
+  for (int64_t r = 0; r < 8; r++)
+    for (int64_t c = 0; c < NV; c++) {
+      const __m256 v = r < n ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rows + (r * NV + c) * 8))))
+                             : _mm256_setzero_ps();
+      _mm256_storeu_ps(out + (r * NV + c) * 8, v);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void attend_run_avx2(const AJob *J, size_t task) {
+  const int64_t G = J->G, D = J->D, NV = D / 8;
+  const int64_t run = (int64_t)task % J->runs, kvh = ((int64_t)task / J->runs) % J->KV;
+  const int64_t bs_ = (int64_t)task / (J->runs * J->KV), b = bs_ / J->S, s = bs_ % J->S;
+  float *part = J->part + (int64_t)task * G * (D + 2);
+  const int64_t j0 = run * RUN, j1 = J->last[bs_] + 1 < j0 + RUN ? J->last[bs_] + 1 : j0 + RUN;
+  if (j1 <= j0) {
+    for (int64_t g = 0; g < G; g++) part[g * (D + 2)] = -INFINITY, part[g * (D + 2) + 1] = 0.f;
+    return;
+  }
+  const int64_t n = j1 - j0, n8 = (n + 7) / 8 * 8;
+  const int8_t *K = J->kc + ((b * J->KV + kvh) * J->max_seq + j0) * D;
+  const int8_t *V = J->vc + ((b * J->KV + kvh) * J->max_seq + j0) * D;
+  const float *q = J->q + ((b * J->S + s) * J->H + kvh * G) * D;
+  float sc[MAX_GROUP * RUN] __attribute__((aligned(32)));
+  float wide[8 * MAX_D] __attribute__((aligned(32)));
+
+  for (int64_t r0 = 0; r0 < n; r0 += 8) {
+    widen8(K + r0 * D, n - r0, NV, wide);
+    for (int64_t g = 0; g < G; g++) {
+      __m256 acc[8];
+      for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < NV; c++) {
+        const __m256 qv = _mm256_loadu_ps(q + g * D + c * 8);
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wide + (r * NV + c) * 8), qv, acc[r]);
+      }
+      _mm256_storeu_ps(sc + g * RUN + r0, sum8(acc));
+    }
+  }
+  for (int64_t g = 0; g < G; g++) {
+    float *x = sc + g * RUN;
+    if (J->bias != NULL) {
+      const float *bias = J->bias + b * J->bb + (kvh * G + g) * J->bh + s * J->bs + j0;
+      for (int64_t j = 0; j < n; j++) x[j] += bias[j];
+    }
+    for (int64_t j = n; j < n8; j++) x[j] = -INFINITY; /* the block's rows past the run */
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n8; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(x + j));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    float m = lanes[0];
+    for (int i = 1; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    memset(part + g * (D + 2) + 2, 0, (size_t)D * sizeof(float));
+    if (m == -INFINITY) { /* every row of the run masked out */
+      part[g * (D + 2)] = m;
+      part[g * (D + 2) + 1] = 0.f;
+      memset(x, 0, (size_t)n8 * sizeof(float));
+      continue;
+    }
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 mv = _mm256_set1_ps(m);
+    for (int64_t j = 0; j < n8; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv));
+      _mm256_storeu_ps(x + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    _mm256_storeu_ps(lanes, sum);
+    float l = 0.f;
+    for (int i = 0; i < 8; i++) l += lanes[i];
+    part[g * (D + 2)] = m;
+    part[g * (D + 2) + 1] = l;
+  }
+  /* weighted values: 8 rows widened at a time, four sums a channel block */
+  for (int64_t r0 = 0; r0 < n; r0 += 8) {
+    const int64_t rows = n - r0 < 8 ? n - r0 : 8;
+    widen8(V + r0 * D, rows, NV, wide);
+    for (int64_t g = 0; g < G; g++) {
+      const float *p = sc + g * RUN + r0;
+      float *o = part + g * (D + 2) + 2;
+      for (int64_t c = 0; c < NV; c++) {
+        __m256 a0 = _mm256_loadu_ps(o + c * 8), a1 = _mm256_setzero_ps();
+        int64_t r = 0;
+        for (; r + 2 <= rows; r += 2) {
+          a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[r]), _mm256_loadu_ps(wide + (r * NV + c) * 8), a0);
+          a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[r + 1]), _mm256_loadu_ps(wide + ((r + 1) * NV + c) * 8), a1);
+        }
+        if (r < rows) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[r]), _mm256_loadu_ps(wide + (r * NV + c) * 8), a0);
+        _mm256_storeu_ps(o + c * 8, _mm256_add_ps(a0, a1));
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f,fma"))) static void attend_avx512(const AJob *J, size_t task) {
   if (J->D == 64)
     attend_run(J, task, 4); /* the common head size, its loops unrolled */
   else
     attend_run(J, task, J->D / 16);
 }
 
+static void attend_task(void *data, size_t task) {
+  const AJob *J = (const AJob *)data;
+  if (J->isa == 2)
+    attend_avx512(J, task);
+  else
+    attend_run_avx2(J, task);
+}
+
 /* ---------------------------------------------------------------- ONNX Runtime glue */
 
-static int has_avx512(void) {
+/* KVEXPORT_ATTENTION_ISA=avx2 takes the AVX2 kernel on a CPU that has AVX-512 too (the tests run both where
+ * they can). */
+static int cpu_isa(void) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  const char *ask = getenv("KVEXPORT_ATTENTION_ISA");
+  if (!__builtin_cpu_supports("fma")) return 0;
+  if (__builtin_cpu_supports("avx512f") && !(ask != NULL && strcmp(ask, "avx2") == 0)) return 2;
+  return __builtin_cpu_supports("avx2") ? 1 : 0;
 }
 
 static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info,
@@ -309,10 +445,11 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   }
   if (H <= 0 || KV <= 0 || H % KV != 0 || H / KV > MAX_GROUP)
     return fail("Int8CacheAttention: num_heads must be a multiple of kv_num_heads, at most 16 times it");
-  if (!has_avx512()) return fail("Int8CacheAttention: this CPU lacks AVX-512");
+  const int isa = cpu_isa();
+  if (isa == 0) return fail("Int8CacheAttention: this CPU has neither AVX-512 nor AVX2+FMA");
   AKernel *k = (AKernel *)calloc(1, sizeof(AKernel));
   if (k == NULL) return g_ort->CreateStatus(ORT_FAIL, "Int8CacheAttention: out of memory");
-  k->H = H, k->KV = KV, k->scale = scale, k->rotary = rotary != 0;
+  k->H = H, k->KV = KV, k->scale = scale, k->rotary = rotary != 0, k->isa = isa;
   *out = k;
   return NULL;
 }
@@ -488,7 +625,8 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     }
   }
   if (st == NULL) {
-    AJob J = {B, S, H, KV, G, D, max_seq, runs, (const int8_t *)kc, (const int8_t *)vc, qs, last, bias, bb, bh, bsd, part};
+    AJob J = {B, S, H, KV, G, D, max_seq, runs, (const int8_t *)kc, (const int8_t *)vc, qs, last, bias, bb, bh, bsd, part,
+              k->isa};
     st = g_ort->KernelContext_ParallelFor(ctx, attend_task, (size_t)tasks, 0, &J);
   }
   /* merge the runs of each query head; the value scale once per channel */
