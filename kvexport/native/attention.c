@@ -581,8 +581,11 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   }
   if (B * S == 0) return NULL;
 
-  /* scratch: scales, rotated queries, last rows, the runs' partial results */
-  const int64_t runs = (max_seq + RUN - 1) / RUN, tasks = B * S * KV * runs;
+  /* scratch: scales, rotated queries, last rows, the runs' partial results; runs up to the longest row only */
+  int64_t rows_held = 1;
+  for (int64_t b = 0; b < B; b++) rows_held = seqlens[b] + 1 > rows_held ? seqlens[b] + 1 : rows_held;
+  rows_held = rows_held < max_seq ? rows_held : max_seq;
+  const int64_t runs = (rows_held + RUN - 1) / RUN, tasks = B * S * KV * runs;
   const size_t floats = (size_t)(2 * KV * D + B * S * H * D + 2 * D + tasks * G * (D + 2));
   int64_t *last = (int64_t *)malloc((size_t)(B * S) * sizeof(int64_t) + floats * sizeof(float));
   if (last == NULL) return g_ort->CreateStatus(ORT_FAIL, "Int8CacheAttention: out of memory");
