@@ -45,24 +45,7 @@ typedef struct {
 
 /* ---------------------------------------------------------------- helpers */
 
-#define RETURN_IF(status_expr)          \
-  do {                                  \
-    OrtStatus *st_ = (status_expr);     \
-    if (st_ != NULL) return st_;        \
-  } while (0)
-
-static OrtStatus *fail(const char *msg) { return g_ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
-
-static OrtStatus *dims_of(const OrtValue *v, int64_t *dims, size_t *rank, ONNXTensorElementDataType *type) {
-  OrtTensorTypeAndShapeInfo *info = NULL;
-  RETURN_IF(g_ort->GetTensorTypeAndShape(v, &info));
-  OrtStatus *st = g_ort->GetDimensionsCount(info, rank);
-  if (st == NULL && *rank > 8) st = fail("Int8CacheAttention: tensor of rank above 8");
-  if (st == NULL) st = g_ort->GetDimensions(info, dims, *rank);
-  if (st == NULL && type != NULL) st = g_ort->GetTensorElementType(info, type);
-  g_ort->ReleaseTensorTypeAndShapeInfo(info);
-  return st;
-}
+static OrtStatus *fail(const char *msg) { return kvx_fail(g_ort, msg); }
 
 static int64_t count_of(const int64_t *dims, size_t rank) {
   int64_t n = 1;
@@ -155,7 +138,7 @@ __attribute__((target("avx512f,fma"))) static inline __m512 exp16(__m512 x) {
 
 static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
 
-/* rows [j0, j1) of cache rows int8 (stride D) -> float, 16 rows a call, zeros past j1 */
+/* 16 cache rows (int8, stride D) -> float, zeros past the first n */
 __attribute__((target("avx512f"))) static inline void widen16(const int8_t *rows, int64_t n, int64_t NV, float *out) {
   for (int64_t r = 0; r < 16; r++)
     for (int64_t c = 0; c < NV; c++) {
@@ -305,7 +288,7 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(masked, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-/* 8 cache rows (stride D) -> float, zeros past n */
+/* 8 cache rows (int8, stride D) -> float, zeros past the first n */
 __attribute__((target("avx2,fma"))) static inline void widen8(const int8_t *rows, int64_t n, int64_t NV, float *out) {
   for (int64_t r = 0; r < 8; r++)
     for (int64_t c = 0; c < NV; c++) {
@@ -460,7 +443,7 @@ static OrtStatus *channel_scales(const OrtValue *v, int64_t KV, int64_t D, float
   int64_t dims[8];
   size_t rank = 0;
   ONNXTensorElementDataType type;
-  RETURN_IF(dims_of(v, dims, &rank, &type));
+  RETURN_IF(kvx_dims(g_ort, v, dims, &rank, &type));
   const int64_t n = count_of(dims, rank);
   if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || (n != 1 && n != KV * D))
     return fail("Int8CacheAttention: a scale is neither one float nor one per KV head and channel");
@@ -481,32 +464,32 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   int64_t qd[8], pd[8], dims[8];
   size_t qr = 0, pr = 0, rank = 0;
   ONNXTensorElementDataType type;
-  RETURN_IF(dims_of(in[0], qd, &qr, &type));
+  RETURN_IF(kvx_dims(g_ort, in[0], qd, &qr, &type));
   if (qr != 3 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return fail("Int8CacheAttention: query is not (B, S, hidden) float");
-  RETURN_IF(dims_of(in[3], pd, &pr, &type));
+  RETURN_IF(kvx_dims(g_ort, in[3], pd, &pr, &type));
   if (pr != 4 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) return fail("Int8CacheAttention: past_key is not (B, H_kv, max_seq, D) int8");
   const int64_t B = qd[0], S = qd[1], D = pd[3], max_seq = pd[2];
   const int packed = in[1] == NULL;
   if (pd[0] != B || pd[1] != KV || D % 16 != 0 || D > MAX_D)
     return fail("Int8CacheAttention: past_key's batch or heads differ from the query's, or its head size is not a multiple of 16 up to 256");
   if (qd[2] != (packed ? (H + 2 * KV) * D : H * D)) return fail("Int8CacheAttention: query's width is not the heads' (packed q|k|v or q)");
-  RETURN_IF(dims_of(in[4], dims, &rank, &type));
+  RETURN_IF(kvx_dims(g_ort, in[4], dims, &rank, &type));
   if (rank != 4 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 || memcmp(dims, pd, sizeof(int64_t) * 4) != 0)
     return fail("Int8CacheAttention: past_value is not past_key's shape in int8");
   if (!packed) {
     if (in[2] == NULL) return fail("Int8CacheAttention: key without value");
     for (int i = 1; i <= 2; i++) {
-      RETURN_IF(dims_of(in[i], dims, &rank, &type));
+      RETURN_IF(kvx_dims(g_ort, in[i], dims, &rank, &type));
       if (rank != 3 || dims[0] != B || dims[1] != S || dims[2] != KV * D)
         return fail("Int8CacheAttention: key/value are not (B, S, H_kv * D)");
     }
   }
-  RETURN_IF(dims_of(in[5], dims, &rank, &type));
+  RETURN_IF(kvx_dims(g_ort, in[5], dims, &rank, &type));
   if (count_of(dims, rank) != B || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32) return fail("Int8CacheAttention: seqlens_k is not (B) int32");
   void *p = NULL;
   RETURN_IF(data_of(in[5], &p));
   const int32_t *seqlens = (const int32_t *)p;
-  RETURN_IF(dims_of(in[6], dims, &rank, &type));
+  RETURN_IF(kvx_dims(g_ort, in[6], dims, &rank, &type));
   if (count_of(dims, rank) != 1 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
     return fail("Int8CacheAttention: total_sequence_length is not one int32");
   RETURN_IF(data_of(in[6], &p));
@@ -518,7 +501,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   int64_t half = 0, table = 0;
   if (k->rotary) {
     if (in[7] == NULL || in[8] == NULL) return fail("Int8CacheAttention: do_rotary without cos_cache and sin_cache");
-    RETURN_IF(dims_of(in[7], dims, &rank, &type));
+    RETURN_IF(kvx_dims(g_ort, in[7], dims, &rank, &type));
     if (rank != 2 || 2 * dims[1] > D) return fail("Int8CacheAttention: cos_cache is not (positions, rotary_dim / 2)");
     table = dims[0], half = dims[1];
     RETURN_IF(data_of(in[7], &p));
@@ -526,7 +509,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     RETURN_IF(data_of(in[8], &p));
     sn = (const float *)p;
     if (in[9] != NULL) {
-      RETURN_IF(dims_of(in[9], dims, &rank, &type));
+      RETURN_IF(kvx_dims(g_ort, in[9], dims, &rank, &type));
       if (count_of(dims, rank) != B * S || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64)
         return fail("Int8CacheAttention: position_ids is not (B, S) int64");
       RETURN_IF(data_of(in[9], &p));
@@ -537,7 +520,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   const float *bias = NULL;
   int64_t bb = 0, bh = 0, bsd = 0;
   if (in[10] != NULL) {
-    RETURN_IF(dims_of(in[10], dims, &rank, &type));
+    RETURN_IF(kvx_dims(g_ort, in[10], dims, &rank, &type));
     if (rank != 4 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || (dims[0] != 1 && dims[0] != B) ||
         (dims[1] != 1 && dims[1] != H) || dims[2] != S || dims[3] != total)
       return fail("Int8CacheAttention: attention_bias is not (B or 1, H or 1, S, total_sequence_length) float");
@@ -662,10 +645,6 @@ static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
   (void)op;
   return "Int8CacheAttention";
 }
-static const char *ORT_API_CALL op_ep(const OrtCustomOp *op) {
-  (void)op;
-  return "CPUExecutionProvider";
-}
 static ONNXTensorElementDataType ORT_API_CALL in_type(const OrtCustomOp *op, size_t i) {
   (void)op;
   switch (i) {
@@ -697,54 +676,22 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL in_required(const OrtCu
   (void)op;
   return (i == 0 || (i >= 3 && i <= 6)) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
-static OrtCustomOpInputOutputCharacteristic ORT_API_CALL out_required(const OrtCustomOp *op, size_t i) {
-  (void)op;
-  (void)i;
-  return INPUT_OUTPUT_REQUIRED;
-}
-static OrtMemType ORT_API_CALL in_mem(const OrtCustomOp *op, size_t i) {
-  (void)op;
-  (void)i;
-  return OrtMemTypeDefault;
-}
-static int ORT_API_CALL one(const OrtCustomOp *op) {
-  (void)op;
-  return 1;
-}
-static int ORT_API_CALL start_version(const OrtCustomOp *op) {
-  (void)op;
-  return 1;
-}
-static int ORT_API_CALL end_version(const OrtCustomOp *op) {
-  (void)op;
-  return 0x7fffffff;
-}
 
 static OrtCustomOp g_op;
 
 const OrtCustomOp *kvx_attention_op(const OrtApi *api) {
   if (g_ort == NULL) {
     g_ort = api;
-    memset(&g_op, 0, sizeof(g_op));
-    g_op.version = ORT_API_VERSION;
+    kvx_common(&g_op);
     g_op.GetName = op_name;
-    g_op.GetExecutionProviderType = op_ep;
     g_op.GetInputType = in_type;
     g_op.GetInputTypeCount = in_count;
     g_op.GetOutputType = out_type;
     g_op.GetOutputTypeCount = out_count;
-    g_op.GetInputCharacteristic = in_required;
-    g_op.GetOutputCharacteristic = out_required;
-    g_op.GetInputMemoryType = in_mem;
-    g_op.GetVariadicInputMinArity = one;
-    g_op.GetVariadicInputHomogeneity = one;
-    g_op.GetVariadicOutputMinArity = one;
-    g_op.GetVariadicOutputHomogeneity = one;
+    g_op.GetInputCharacteristic = in_required; /* most inputs are optional */
     g_op.CreateKernelV2 = create_kernel;
     g_op.KernelComputeV2 = compute;
     g_op.KernelDestroy = destroy;
-    g_op.GetStartVersion = start_version;
-    g_op.GetEndVersion = end_version;
   }
   return &g_op;
 }

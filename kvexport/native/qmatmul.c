@@ -222,24 +222,7 @@ static int cpu_isa(void) {
   return 0;
 }
 
-#define RETURN_IF(status_expr)          \
-  do {                                  \
-    OrtStatus *st_ = (status_expr);     \
-    if (st_ != NULL) return st_;        \
-  } while (0)
-
-static OrtStatus *fail(const char *msg) { return g_ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
-
-static OrtStatus *tensor_dims(const OrtValue *v, int64_t *dims, size_t *rank, ONNXTensorElementDataType *type) {
-  OrtTensorTypeAndShapeInfo *info = NULL;
-  RETURN_IF(g_ort->GetTensorTypeAndShape(v, &info));
-  OrtStatus *st = g_ort->GetDimensionsCount(info, rank);
-  if (st == NULL && *rank > 8) st = fail("QMatMul: tensor of rank above 8");
-  if (st == NULL) st = g_ort->GetDimensions(info, dims, *rank);
-  if (st == NULL && type != NULL) st = g_ort->GetTensorElementType(info, type);
-  g_ort->ReleaseTensorTypeAndShapeInfo(info);
-  return st;
-}
+static OrtStatus *fail(const char *msg) { return kvx_fail(g_ort, msg); }
 
 static void free_kernel(QKernel *k) {
   if (k == NULL) return;
@@ -325,11 +308,11 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   size_t rank = 0;
   ONNXTensorElementDataType type;
   int64_t count = 1;
-  RETURN_IF(tensor_dims(bv, dims, &rank, &type));
+  RETURN_IF(kvx_dims(g_ort, bv, dims, &rank, &type));
   for (size_t i = 0; i < rank; i++) count *= dims[i];
   if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || count != N * K * bits / 8)
     return fail("QMatMul: B is not N x K*bits/8 uint8");
-  RETURN_IF(tensor_dims(sv, dims, &rank, &type));
+  RETURN_IF(kvx_dims(g_ort, sv, dims, &rank, &type));
   count = 1;
   for (size_t i = 0; i < rank; i++) count *= dims[i];
   if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || count != N * (K / block))
@@ -363,7 +346,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   int64_t dims[8];
   size_t rank = 0;
   ONNXTensorElementDataType type;
-  RETURN_IF(tensor_dims(av, dims, &rank, &type));
+  RETURN_IF(kvx_dims(g_ort, av, dims, &rank, &type));
   if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return fail("QMatMul: A must be float");
   if (rank < 1 || dims[rank - 1] != k->K) return fail("QMatMul: A's last dimension is not K");
   int64_t M = 1;
@@ -397,10 +380,6 @@ static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
   (void)op;
   return "QMatMul";
 }
-static const char *ORT_API_CALL op_ep(const OrtCustomOp *op) {
-  (void)op;
-  return "CPUExecutionProvider";
-}
 static ONNXTensorElementDataType ORT_API_CALL in_type(const OrtCustomOp *op, size_t i) {
   (void)op;
   return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -418,28 +397,6 @@ static size_t ORT_API_CALL out_count(const OrtCustomOp *op) {
   (void)op;
   return 1;
 }
-static OrtCustomOpInputOutputCharacteristic ORT_API_CALL io_required(const OrtCustomOp *op, size_t i) {
-  (void)op;
-  (void)i;
-  return INPUT_OUTPUT_REQUIRED;
-}
-static OrtMemType ORT_API_CALL in_mem(const OrtCustomOp *op, size_t i) {
-  (void)op;
-  (void)i;
-  return OrtMemTypeDefault;
-}
-static int ORT_API_CALL one(const OrtCustomOp *op) {
-  (void)op;
-  return 1;
-}
-static int ORT_API_CALL start_version(const OrtCustomOp *op) {
-  (void)op;
-  return 1;
-}
-static int ORT_API_CALL end_version(const OrtCustomOp *op) {
-  (void)op;
-  return 0x7fffffff;
-}
 
 static OrtCustomOp g_op;
 static OrtCustomOpDomain *g_domain = NULL;
@@ -449,26 +406,15 @@ OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtA
   if (g_ort == NULL) {
     g_ort = base->GetApi(ORT_API_VERSION);
     if (g_ort == NULL) return NULL; /* cannot even make a status: ONNX Runtime older than the header */
-    memset(&g_op, 0, sizeof(g_op));
-    g_op.version = ORT_API_VERSION;
+    kvx_common(&g_op);
     g_op.GetName = op_name;
-    g_op.GetExecutionProviderType = op_ep;
     g_op.GetInputType = in_type;
     g_op.GetInputTypeCount = in_count;
     g_op.GetOutputType = out_type;
     g_op.GetOutputTypeCount = out_count;
-    g_op.GetInputCharacteristic = io_required;
-    g_op.GetOutputCharacteristic = io_required;
-    g_op.GetInputMemoryType = in_mem;
-    g_op.GetVariadicInputMinArity = one;
-    g_op.GetVariadicInputHomogeneity = one;
-    g_op.GetVariadicOutputMinArity = one;
-    g_op.GetVariadicOutputHomogeneity = one;
     g_op.CreateKernelV2 = create_kernel;
     g_op.KernelComputeV2 = compute;
     g_op.KernelDestroy = destroy;
-    g_op.GetStartVersion = start_version;
-    g_op.GetEndVersion = end_version;
     RETURN_IF(g_ort->CreateCustomOpDomain("ai.kvexport", &g_domain));
     RETURN_IF(g_ort->CustomOpDomain_Add(g_domain, &g_op));
     RETURN_IF(g_ort->CustomOpDomain_Add(g_domain, kvx_attention_op(g_ort)));
