@@ -1,10 +1,11 @@
-"""Builds kvexport's native quantized matmul for ONNX Runtime (kvexport/native/qmatmul.c) beside the package.
+"""Builds kvexport's native ops for ONNX Runtime (kvexport/native/: the 4-bit matmul qmatmul.c, the int8-cache
+attention attention.c) into one library beside the package.
 
 Everything else is declared in pyproject.toml. The library needs ONNX Runtime's C API headers, which the
 onnxruntime wheel does not ship: they are taken from $KVEXPORT_ORT_INCLUDE, else from build/ort-include/
 (kvexport/native/fetch_ort_headers.sh puts them there). Without headers or a C compiler the install still
-succeeds, the library is left out, and `cpu` engines run ONNX Runtime's own MatMulNBits (`kvexport doctor` says
-which kernel runs and why).
+succeeds, the library is left out, and `cpu` engines run ONNX Runtime's own MatMulNBits and GroupQueryAttention
+(`kvexport doctor` says which kernels run and why).
 """
 import os
 import sys
@@ -28,7 +29,7 @@ class BuildNative(build_ext):
         include = ort_headers()
         if include is None:
             print("kvexport: ONNX Runtime C API headers not found (set KVEXPORT_ORT_INCLUDE or run "
-                  "kvexport/native/fetch_ort_headers.sh): the native quantized matmul is not built", file=sys.stderr)
+                  "kvexport/native/fetch_ort_headers.sh): the native ops are not built", file=sys.stderr)
             self.extensions = []
             return
         for ext in self.extensions:
@@ -36,7 +37,7 @@ class BuildNative(build_ext):
         try:
             super().build_extensions()
         except Exception as e:  # no compiler, or one without the intrinsics: the engines fall back
-            print(f"kvexport: the native quantized matmul did not build ({e}); cpu engines use ONNX Runtime's kernel",
+            print(f"kvexport: the native ops did not build ({e}); cpu engines use ONNX Runtime's kernels",
                   file=sys.stderr)
             self.extensions = []
 
