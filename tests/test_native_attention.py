@@ -120,20 +120,30 @@ CASES = {  # (B, H, KV, D, C, packed, rotary, bias, per_channel, row lengths, ne
 def test_the_op_stores_onnxruntimes_bytes_and_attends_as_it_does(case: str, in_place: bool, isa: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Three steps through ONNX Runtime's quantized kernel and through the op, each on its own copy of one random
-    int8 cache: the stored bytes equal exactly (the new key rotated and both rows rounded as the kernel does), the
+    int8 cache: the stored bytes equal exactly (the new key rotated and both rows rounded as the kernel does, value
+    rows on rounding ties included), the
     rest of the cache untouched, the outputs equal to float order (runs of rows summed apart and merged). Rows of
     a batch at different lengths, a masked prefix through attention_bias, packed and separate q|k|v, per-tensor
     and per-channel scales, head sizes 32 to 128, groups of 1 to 8 query heads; each ISA's kernel."""
     _runs_here(isa, monkeypatch)
     B, H, KV, D, C, packed, rotary, bias, per_channel, lengths, S = CASES[case]
     flags = {"packed": packed, "rotary": rotary, "bias": bias, "per_channel": per_channel}
-    theirs, ours = (_session(_model(B, H, KV, D, C, ours=o, **flags)) for o in (False, True))
+    models = [_model(B, H, KV, D, C, ours=o, **flags) for o in (False, True)]
+    theirs, ours = (_session(m) for m in models)
+    scales = {t.name: np.broadcast_to(numpy_helper.to_array(t).reshape(-1, 1) if t.dims == [1] else
+                                      numpy_helper.to_array(t).reshape(KV, D), (KV, D)).reshape(KV * D)
+              for t in models[0].graph.initializer if t.name in ("k_scale", "v_scale")}
     rng = np.random.default_rng(2)
+    ties = 0
     start = rng.integers(-127, 128, (2, B, KV, C, D)).astype(np.int8)
     caches = [(start[0].copy(), start[1].copy()), (start[0].copy(), start[1].copy())]
     held = np.array(lengths)  # rows each batch row holds before the step
     for _ in range(3):
         x = (rng.standard_normal((B, S, (H + 2 * KV) * D)) * 2).astype(np.float32)
+        # the first token's value row at (k + 1/2) * scale: ties, which x / scale and x * (1 / scale) round apart
+        v = ((rng.integers(-100, 100, (B, KV * D)) + 0.5) * scales["v_scale"]).astype(np.float32)
+        x[:, 0, (H + KV) * D:] = v
+        ties += int((np.round(v / scales["v_scale"]) != np.round(v * (np.float32(1) / scales["v_scale"]))).sum())
         feeds = {"seqlens_k": (held + S - 1).astype(np.int32), "total": np.array(held.max() + S, np.int32)}
         feeds.update({"q": x} if packed else {"q": x[..., :H * D].copy(), "k": x[..., H * D:(H + KV) * D].copy(),
                                              "v": x[..., (H + KV) * D:].copy()})
@@ -156,6 +166,7 @@ def test_the_op_stores_onnxruntimes_bytes_and_attends_as_it_does(case: str, in_p
             caches = [(wk, wv), (gk, gv)]
         start = (caches[1][0].copy(), caches[1][1].copy())
         held = held + S
+    assert ties > 0  # the data held ties that only the kernel's own rounding stores alike
 
 
 def test_the_op_refuses_what_it_cannot_compute(monkeypatch: pytest.MonkeyPatch) -> None:
