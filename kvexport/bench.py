@@ -461,6 +461,7 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     floors = prepared.floors if prepared is not None else {}
     floor_of = prepared.floor_of if prepared is not None else {}
     assert not floors or set(floor_of) == {key for key, _ in timed}, "a floor for each engine timed, made by Floors.add"
+    report["native_kernels"] = {key: k for key, e in timed if (k := native_kernels(e))}
     report["huge_pages"] = {key: p.record() for key, p in placed.items()}
     report["huge_pages"].update({f"{label} floor": f.huge_pages.record() for label, f in floors.items()})
     hf = HFBaseline(reference, threads) if baselines and reference is not None else None
@@ -582,10 +583,22 @@ def _of_floor_rounds(e: dict[str, Any]) -> str:
     return f"{e['fraction_of_own_floor_median_round'] * 100:.0f}% median of the paired rounds ({rounds})"
 
 
+def native_kernels(engine: Any) -> dict[str, int]:
+    """kvexport's own kernels the engine's load swapped in (kvexport.native), by name, with the nodes each took;
+    empty where ONNX Runtime's run everywhere (or the target is not `cpu`)."""
+    facts = engine.session.describe()
+    return {rec["kernel"]: rec["nodes"] for key in ("quantized_matmul", "int8_cache_attention")
+            if (rec := facts.get(key)) and rec.get("nodes")}
+
+
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"kvexport bench: {r['artifact']} ({r['backend']}, {r['threads']} threads, max_seq {r['max_seq']}, "
              f"{r['new_tokens']} new tokens, greedy, best of {r['rounds']} interleaved rounds)",
              f"read bandwidth (best seen in this run): {r['read_bandwidth_gbs']:.1f} GB/s"]
+    if r.get("native_kernels"):
+        lines.append("kvexport's kernels: " + "; ".join(
+            f"{key}: " + ", ".join(f"{name} in {n} nodes" for name, n in kernels.items())
+            for key, kernels in r["native_kernels"].items()))
     if r.get("huge_pages"):
         lines.append("huge pages: " + "; ".join(f"{k}: {v['detail']}" for k, v in r["huge_pages"].items()))
     for p, row in r["prompts"].items():

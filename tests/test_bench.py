@@ -304,6 +304,10 @@ def test_an_int4_artifact_is_held_to_its_own_matmulnbits_floor(artifacts: dict[s
     native = q.session.describe()["quantized_matmul"]["nodes"] > 0
     assert native == kernel().usable
     assert o["floor"] == floor_label(gemvs) + (QMATMUL_TAG if native else "")
+    # the report names the kernels each engine's load swapped in: none for the fp32 engine
+    said = q.session.describe()["quantized_matmul"]
+    assert r.get("native_kernels", {}) == ({"other:int4": {said["kernel"]: said["nodes"]}} if native else {})
+    assert (f"kvexport's kernels: other:int4: {said['kernel']} in {said['nodes']} nodes" in format_report(r)) == native
     assert o["mode"] == "int4-g32" and o["floor"].startswith("int4-g32")
     assert set(row["floors"]) == {"fp32", o["floor"]}
     assert row["floors"][o["floor"]]["weight_bytes"] < row["floors"]["fp32"]["weight_bytes"] / 3
