@@ -318,9 +318,9 @@ class CpuBackend(_Backend):
 
         try:
             k = native.kernel()
-            qmm = f"kvexport QMatMul ({k.isa}) for 4-bit weights" if k.usable else f"ONNX Runtime's: {k.why}"
+            qmm = f"{k.ours} ({k.isa}) for 4-bit weights" if k.usable else f"ONNX Runtime's: {k.why}"
             a = native.attention_kernel()
-            attn = f"kvexport Int8CacheAttention ({a.isa})" if a.usable else f"ONNX Runtime's: {a.why}"
+            attn = f"{a.ours} ({a.isa})" if a.usable else f"ONNX Runtime's: {a.why}"
         except BackendUnavailableError as e:
             qmm = attn = str(e)
         return {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "quantized_matmul": qmm,

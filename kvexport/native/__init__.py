@@ -78,18 +78,23 @@ def _unbuilt(library: Path) -> str | None:
     return why
 
 
+def _choose(isa: str, env: str, library: Path | None, lacking: str, **names: str) -> Kernel:
+    """The Kernel record for an op whose best ISA on this CPU is `isa` ("" for none): `env`=avx2 takes its AVX2
+    kernel instead (the library reads the same variable; tests run both kernels where the CPU has both)."""
+    if isa and os.environ.get(env) == "avx2":
+        isa = "avx2"
+    why = _unbuilt(LIBRARY if library is None else library)
+    if why:
+        return Kernel(False, "", why, **names)
+    if not isa:
+        return Kernel(False, "", f"this CPU has neither {lacking}", **names)
+    return Kernel(True, isa, f"this CPU has {isa}", **names)
+
+
 def kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel:
     """Whether this machine can run the native quantized matmul: the library built at install (`library`, by
     default LIBRARY) and the ISA it needs."""
-    isa = isa_of(_flags(flags))
-    if isa and os.environ.get(ISA_ENV) == "avx2":
-        isa = "avx2"  # the library reads the same variable (tests run both kernels where the CPU has both)
-    why = _unbuilt(LIBRARY if library is None else library)
-    if why:
-        return Kernel(False, "", why)
-    if not isa:
-        return Kernel(False, "", "this CPU has neither AVX512-VNNI nor AVX2+FMA")
-    return Kernel(True, isa, f"this CPU has {isa}")
+    return _choose(isa_of(_flags(flags)), ISA_ENV, library, "AVX512-VNNI nor AVX2+FMA")
 
 
 def attention_isa_of(flags: set[str]) -> str:
@@ -102,15 +107,8 @@ def attention_isa_of(flags: set[str]) -> str:
 
 def attention_kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel:
     """Whether this machine can run the native attention over an int8 cache: the library and AVX-512 or AVX2+FMA."""
-    isa = attention_isa_of(_flags(flags))
-    if isa and os.environ.get(ATTENTION_ISA_ENV) == "avx2":
-        isa = "avx2"  # the library reads the same variable
-    why = _unbuilt(LIBRARY if library is None else library)
-    if why:
-        return Kernel(False, "", why, **ATTENTION_NAMES)
-    if not isa:
-        return Kernel(False, "", "this CPU has neither AVX-512 nor AVX2+FMA", **ATTENTION_NAMES)
-    return Kernel(True, isa, f"this CPU has {isa}", **ATTENTION_NAMES)
+    return _choose(attention_isa_of(_flags(flags)), ATTENTION_ISA_ENV, library, "AVX-512 nor AVX2+FMA",
+                   **ATTENTION_NAMES)
 
 
 def _attrs(node: Any) -> dict[str, Any]:

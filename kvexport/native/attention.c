@@ -53,14 +53,6 @@ static int64_t count_of(const int64_t *dims, size_t rank) {
   return n;
 }
 
-/* An optional input: NULL where the node leaves it out. */
-static OrtStatus *input(OrtKernelContext *ctx, size_t i, const OrtValue **v) {
-  *v = NULL;
-  size_t n = 0;
-  RETURN_IF(g_ort->KernelContext_GetInputCount(ctx, &n));
-  if (i < n) RETURN_IF(g_ort->KernelContext_GetInput(ctx, i, v));
-  return NULL;
-}
 
 static OrtStatus *data_of(const OrtValue *v, void **p) {
   *p = NULL;
@@ -456,8 +448,10 @@ static OrtStatus *channel_scales(const OrtValue *v, int64_t KV, int64_t D, float
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   const AKernel *k = (const AKernel *)kernel;
   const int64_t H = k->H, KV = k->KV, G = H / KV;
-  const OrtValue *in[14];
-  for (size_t i = 0; i < 14; i++) RETURN_IF(input(ctx, i, &in[i]));
+  const OrtValue *in[14] = {NULL}; /* NULL: an optional input the node leaves out */
+  size_t given = 0;
+  RETURN_IF(g_ort->KernelContext_GetInputCount(ctx, &given));
+  for (size_t i = 0; i < 14 && i < given; i++) RETURN_IF(g_ort->KernelContext_GetInput(ctx, i, &in[i]));
   if (in[0] == NULL || in[3] == NULL || in[4] == NULL || in[5] == NULL || in[6] == NULL)
     return fail("Int8CacheAttention: query, past_key, past_value, seqlens_k and total_sequence_length are required");
   if (in[11] != NULL) return fail("Int8CacheAttention: head_sink is not taken");
@@ -574,6 +568,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   if (last == NULL) return g_ort->CreateStatus(ORT_FAIL, "Int8CacheAttention: out of memory");
   float *ks = (float *)(last + B * S), *vs = ks + KV * D, *qs = vs + KV * D, *tmp = qs + B * S * H * D;
   float *part = tmp + 2 * D;
+  const float scale = k->scale != 0.f ? k->scale : 1.0f / sqrtf((float)D);
   OrtStatus *st = channel_scales(in[12], KV, D, ks);
   if (st == NULL) st = channel_scales(in[13], KV, D, vs);
   for (int64_t b = 0; st == NULL && b < B; b++) {
@@ -593,7 +588,6 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         st = fail("Int8CacheAttention: a position is outside the cos/sin tables");
         break;
       }
-      const float scale = k->scale != 0.f ? k->scale : 1.0f / sqrtf((float)D);
       for (int64_t h = 0; h < H; h++) {
         const float *xh = x + h * D, *sc = ks + (h / G) * D;
         float *qh = qs + (bs_ * H + h) * D;
