@@ -1,5 +1,5 @@
-"""Builds kvexport's native ops for ONNX Runtime (kvexport/native/: the 4-bit matmul qmatmul.c, the int8-cache
-attention attention.c) into one library beside the package.
+"""Builds kvexport's native ops for ONNX Runtime (kvexport/native/: the 4-bit matmul qmatmul.c, the
+attention over an int8 or fp32 cache attention.c) into one library beside the package.
 
 Everything else is declared in pyproject.toml. The library needs ONNX Runtime's C API headers, which the
 onnxruntime wheel does not ship: they are taken from $KVEXPORT_ORT_INCLUDE, else from build/ort-include/

@@ -233,7 +233,7 @@ class GemvFloor:
             # the same matrices read the same way
             # and its quantized matrices run the kernel the engine runs (`qmm`: kvexport's where the engine's load
             # swapped it in)
-            self.sess, self.huge_pages, self.swapped, _ = open_ort_session(Path(tmp) / "floor.onnx", threads,
+            self.sess, self.huge_pages, self.swapped, _, _ = open_ort_session(Path(tmp) / "floor.onnx", threads,
                                                                         huge_pages, qmm=qmm)
             if self.swapped:
                 self.label += QMATMUL_TAG
@@ -587,7 +587,7 @@ def native_kernels(engine: Any) -> dict[str, int]:
     """kvexport's own kernels the engine's load swapped in (kvexport.native), by name, with the nodes each took;
     empty where ONNX Runtime's run everywhere (or the target is not `cpu`)."""
     facts = engine.session.describe()
-    return {rec["kernel"]: rec["nodes"] for key in ("quantized_matmul", "int8_cache_attention")
+    return {rec["kernel"]: rec["nodes"] for key in ("quantized_matmul", "cache_attention")
             if (rec := facts.get(key)) and rec.get("nodes")}
 
 

@@ -304,10 +304,15 @@ def test_an_int4_artifact_is_held_to_its_own_matmulnbits_floor(artifacts: dict[s
     native = q.session.describe()["quantized_matmul"]["nodes"] > 0
     assert native == kernel().usable
     assert o["floor"] == floor_label(gemvs) + (QMATMUL_TAG if native else "")
-    # the report names the kernels each engine's load swapped in: none for the fp32 engine
+    # the report names the kernels each engine's load swapped in: the fp32 engine's only its cache attention
     said = q.session.describe()["quantized_matmul"]
-    assert r.get("native_kernels", {}) == ({"other:int4": {said["kernel"]: said["nodes"]}} if native else {})
-    assert (f"kvexport's kernels: other:int4: {said['kernel']} in {said['nodes']} nodes" in format_report(r)) == native
+    attn = {key: e.session.describe()["cache_attention"] for key, e in (("engine", fp32), ("other:int4", q))}
+    want = {key: {a["kernel"]: a["nodes"]} for key, a in attn.items() if a["nodes"]}
+    if native:
+        want["other:int4"] = {said["kernel"]: said["nodes"], **want.get("other:int4", {})}
+    assert r.get("native_kernels", {}) == want
+    assert (f"other:int4: {said['kernel']} in {said['nodes']} nodes" in format_report(r)) == native
+    assert ("engine: kvexport Fp32CacheAttention" in format_report(r)) == bool(attn["engine"]["nodes"])
     assert o["mode"] == "int4-g32" and o["floor"].startswith("int4-g32")
     assert set(row["floors"]) == {"fp32", o["floor"]}
     assert row["floors"][o["floor"]]["weight_bytes"] < row["floors"]["fp32"]["weight_bytes"] / 3

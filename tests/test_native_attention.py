@@ -1,6 +1,7 @@
-"""kvexport's attention over an int8 KV cache (kvexport/native/attention.c): the op against ONNX Runtime's quantized
-GroupQueryAttention on the same inputs and the same bound cache, which nodes the load-time swap takes, and a
-`--kv int8` engine loaded with and without it.
+"""kvexport's attention over the KV cache (kvexport/native/attention.c): the int8 op against ONNX Runtime's quantized
+GroupQueryAttention, and the fp32 op (under the swap's one-token If) against its fp32 kernel, on the same inputs and
+the same bound cache; which nodes the load-time swap takes; a `--kv int8` engine and an fp32-cache engine loaded with
+and without them.
 
 The op runs where the library was built at install and the CPU has AVX-512 or AVX2+FMA: each ISA's tests run where
 the CPU has it (both on an AVX-512 CPU, the AVX2 kernel through KVEXPORT_ATTENTION_ISA=avx2) and are skipped
@@ -38,14 +39,16 @@ def _runs_here(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _model(B: int, H: int, KV: int, D: int, C: int, *, packed: bool, rotary: bool, bias: bool, per_channel: bool,
-           ours: bool) -> onnx.ModelProto:
+           ours: bool, f32: bool = False) -> onnx.ModelProto:
     """One quantized GroupQueryAttention (ONNX Runtime's, or the same node as kvexport's op) over a (B, KV, C, D)
-    int8 cache, scales as initializers; rotary tables of C + 8 positions."""
+    int8 cache, scales as initializers; rotary tables of C + 8 positions. `f32`: the same over a float cache (no
+    scales), kvexport's op under its one-token If."""
     rng = np.random.default_rng(1)
+    cache = TensorProto.FLOAT if f32 else TensorProto.INT8
     inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [B, None, ((H + 2 * KV) if packed else H) * D])]
     if not packed:
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [B, None, KV * D]) for n in ("k", "v")]
-    inputs += [helper.make_tensor_value_info(n, TensorProto.INT8, [B, KV, C, D]) for n in ("past_k", "past_v")]
+    inputs += [helper.make_tensor_value_info(n, cache, [B, KV, C, D]) for n in ("past_k", "past_v")]
     inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [B]),
                helper.make_tensor_value_info("total", TensorProto.INT32, [])]
     names = ["q", "", "", "past_k", "past_v", "seqlens_k", "total", "", "", "", "", "", "k_scale", "v_scale"]
@@ -53,6 +56,8 @@ def _model(B: int, H: int, KV: int, D: int, C: int, *, packed: bool, rotary: boo
         names[1:3] = ["k", "v"]
     shape = [1, KV, 1, D] if per_channel else [1]
     inits = [numpy_helper.from_array(rng.uniform(0.01, 0.05, shape).astype(np.float32), n) for n in ("k_scale", "v_scale")]
+    if f32:
+        names, inits = names[:12], []
     attrs: dict = {"num_heads": H, "kv_num_heads": KV, "scale": float(1 / np.sqrt(D))}
     if rotary:
         angles = np.arange(C + 8)[:, None] / 10000.0 ** (np.arange(D // 2) / (D // 2))
@@ -65,10 +70,14 @@ def _model(B: int, H: int, KV: int, D: int, C: int, *, packed: bool, rotary: boo
         names[10] = "bias"
         inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, [B, 1, None, None]))
     quant = "PER_CHANNEL" if per_channel else "PER_TENSOR"
+    if not f32:
+        attrs.update(kv_cache_bit_width=8, k_quant_type=quant, v_quant_type=quant)
+    while names[-1] == "":
+        names.pop()
     node = helper.make_node("GroupQueryAttention", names, ["out", "present_k", "present_v"], domain="com.microsoft",
-                            kv_cache_bit_width=8, k_quant_type=quant, v_quant_type=quant, **attrs)
+                            **attrs)
     outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None),
-               *(helper.make_tensor_value_info(n, TensorProto.INT8, None) for n in ("present_k", "present_v"))]
+               *(helper.make_tensor_value_info(n, cache, None) for n in ("present_k", "present_v"))]
     model = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs, inits), ir_version=10,
                               opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("com.microsoft", 1)])
     if ours:
@@ -92,11 +101,11 @@ def _run(sess, feeds: dict[str, np.ndarray], caches: tuple[np.ndarray, np.ndarra
     for name, arr in feeds.items():
         b.bind_cpu_input(name, arr)
     for name, buf in zip(("past_k", "past_v"), caches):
-        b.bind_input(name, "cpu", 0, np.int8, buf.shape, buf.ctypes.data)
+        b.bind_input(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
     b.bind_output("out")
     for name, buf in zip(("present_k", "present_v"), caches):
         if in_place:
-            b.bind_output(name, "cpu", 0, np.int8, buf.shape, buf.ctypes.data)
+            b.bind_output(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
         else:
             b.bind_output(name)
     sess.run_with_iobinding(b)
@@ -169,6 +178,55 @@ def test_the_op_stores_onnxruntimes_bytes_and_attends_as_it_does(case: str, in_p
     assert ties > 0  # the data held ties that only the kernel's own rounding stores alike
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_fp32_cache_op_stores_and_attends_as_onnxruntime_does(case: str, in_place: bool, isa: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same cases over a float cache: ONNX Runtime's GroupQueryAttention against the node under the swap's If
+    (kvexport's Fp32CacheAttention for one new token, ONNX Runtime's node for several), three steps each on its own
+    copy of one random cache: the rows stored equal exactly (the key rotated as MLAS rotates it), the rest of the
+    cache untouched, the outputs equal to float order, and exactly equal where several tokens take ONNX Runtime's
+    branch."""
+    _runs_here(isa, monkeypatch)
+    B, H, KV, D, C, packed, rotary, bias, per_channel, lengths, S = CASES[case]
+    flags = {"packed": packed, "rotary": rotary, "bias": bias, "per_channel": per_channel}
+    models = [_model(B, H, KV, D, C, ours=o, f32=True, **flags) for o in (False, True)]
+    assert [n.op_type for n in models[1].graph.node] == ["Shape", "Equal", "If"]
+    theirs, ours = (_session(m) for m in models)
+    rng = np.random.default_rng(2)
+    start = rng.standard_normal((2, B, KV, C, D)).astype(np.float32)
+    caches = [(start[0].copy(), start[1].copy()), (start[0].copy(), start[1].copy())]
+    held = np.array(lengths)
+    for _ in range(3):
+        x = (rng.standard_normal((B, S, (H + 2 * KV) * D)) * 2).astype(np.float32)
+        feeds = {"seqlens_k": (held + S - 1).astype(np.int32), "total": np.array(held.max() + S, np.int32)}
+        feeds.update({"q": x} if packed else {"q": x[..., :H * D].copy(), "k": x[..., H * D:(H + KV) * D].copy(),
+                                             "v": x[..., (H + KV) * D:].copy()})
+        if rotary:
+            feeds["position_ids"] = (held[:, None] + np.arange(S) + 5).astype(np.int64)
+        if bias:
+            mask = np.zeros((B, 1, S, held.max() + S), np.float32)
+            mask[0, 0, :, :min(3, held[0])] = np.finfo(np.float32).min
+            feeds["bias"] = mask
+        (want, (wk, wv)), (got, (gk, gv)) = (_run(s, feeds, c, in_place) for s, c in zip((theirs, ours), caches))
+        for b in range(B):
+            end = held[b] + S
+            for w, g, st in ((wk, gk, start[0]), (wv, gv, start[1])):
+                np.testing.assert_array_equal(g[b, :, :end], w[b, :, :end])
+                assert (g[b, :, held[b]:end] != st[b, :, held[b]:end]).any()
+                np.testing.assert_array_equal(g[b, :, :held[b]], st[b, :, :held[b]])
+                np.testing.assert_array_equal(g[b, :, end:], st[b, :, end:] if in_place else 0)
+        if S == 1:
+            np.testing.assert_allclose(got, want, atol=5e-5 * float(np.abs(want).max()))
+        else:
+            np.testing.assert_array_equal(got, want)
+        if not in_place:
+            caches = [(wk, wv), (gk, gv)]
+        start = np.stack([caches[1][0], caches[1][1]]).copy()
+        held = held + S
+
+
 def test_the_op_refuses_what_it_cannot_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     """Errors at run time, typed by ONNX Runtime, for a cache past its end and a position past the tables."""
     _runs_here("avx2", monkeypatch)
@@ -227,6 +285,36 @@ def test_the_swap_takes_only_the_attention_it_computes() -> None:
     assert native.swap(wrapped, "", attention=False) == (0, 0)
 
 
+def test_the_swap_puts_fp32_cache_attention_under_a_one_token_branch() -> None:
+    """Over a float cache the swap takes the main graph's GroupQueryAttention nodes that read the graph's cache
+    inputs, with the same attribute limits, and puts each under an If on "one new token": then kvexport's op, else
+    the node as it was; the If writes the node's own outputs."""
+    base = _model(1, 4, 2, 64, 64, packed=True, rotary=True, bias=False, per_channel=True, ours=False, f32=True)
+    node = base.graph.node[0]
+    caches = native.float_caches(base.graph)
+    assert caches == {"past_k", "past_v"}
+    assert native.takes_fp32_attention(node, caches) and not native.takes_attention(node)
+    for change in ({"softcap": 30.0}, {"local_window_size": 16}, {"causal": 0}, {"kv_cache_bit_width": 8}):
+        n = onnx.NodeProto()
+        n.CopyFrom(node)
+        key, value = next(iter(change.items()))
+        n.attribute.append(helper.make_attribute(key, value))
+        assert not native.takes_fp32_attention(n, caches), change
+    n = onnx.NodeProto()
+    n.CopyFrom(node)
+    n.input[3] = "sliced"  # a past that is not the bound cache (the int8 engine's prompt branch reads such)
+    assert not native.takes_fp32_attention(n, caches)
+    assert native.swap(base, "", attention=True) == (0, 1)
+    shape, equal, branch = base.graph.node
+    assert (shape.op_type, list(shape.input), equal.op_type) == ("Shape", ["q"], "Equal")
+    assert branch.op_type == "If" and list(branch.output) == ["out", "present_k", "present_v"]
+    then, other = (next(a.g for a in branch.attribute if a.name == x) for x in ("then_branch", "else_branch"))
+    assert (then.node[0].domain, then.node[0].op_type) == (native.DOMAIN, native.FP32_ATTENTION_OP)
+    assert (other.node[0].domain, other.node[0].op_type) == ("com.microsoft", "GroupQueryAttention")
+    assert list(then.node[0].input) == list(other.node[0].input) == list(node.input)
+    assert native.swap(base, "", attention=True) == (0, 0)  # the If's nodes no longer read the main graph's caches
+
+
 def test_which_kernel_each_cpu_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(native.ATTENTION_ISA_ENV, raising=False)
     k = native.attention_kernel({"sse4_2"})
@@ -236,6 +324,7 @@ def test_which_kernel_each_cpu_takes(monkeypatch: pytest.MonkeyPatch) -> None:
         on = native.attention_kernel({"avx512f", "avx2", "fma"})
         assert on.usable and on.record(3) == {"kernel": "kvexport Int8CacheAttention (avx512)", "nodes": 3,
                                               "why": "this CPU has avx512"}
+        assert on.for_fp32().record(2)["kernel"] == "kvexport Fp32CacheAttention (avx512)"
         assert native.attention_kernel({"avx2", "fma"}).isa == "avx2"
         monkeypatch.setenv(native.ATTENTION_ISA_ENV, "avx2")
         assert native.attention_kernel({"avx512f", "avx2", "fma"}).isa == "avx2"
@@ -254,9 +343,9 @@ def test_an_int8_cache_engine_decodes_the_same_with_the_op(isa: str, int8_cache_
     ours = kvexport.load(str(int8_cache_artifact), threads=2)
     theirs = kvexport.load(str(int8_cache_artifact), threads=2, native_attention="false")
     layers = ours.manifest.config.num_hidden_layers
-    assert ours.session.describe()["int8_cache_attention"] == {
+    assert ours.session.describe()["cache_attention"] == {
         "kernel": f"kvexport Int8CacheAttention ({isa})", "nodes": layers, "why": f"this CPU has {isa}"}
-    assert theirs.session.describe()["int8_cache_attention"] == {
+    assert theirs.session.describe()["cache_attention"] == {
         "kernel": "onnxruntime GroupQueryAttention", "nodes": 0, "why": "off (load option native_attention=false)"}
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 200, 40)]
     a, b = ours.prefill(prompt, 31), theirs.prefill(prompt, 31)
@@ -270,12 +359,46 @@ def test_an_int8_cache_engine_decodes_the_same_with_the_op(isa: str, int8_cache_
         kvexport.load(str(int8_cache_artifact), native_attention="maybe")
 
 
-def test_doctor_says_which_int8_cache_attention_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_an_fp32_cache_engine_decodes_the_same_with_the_op(isa: str, artifacts: dict[str, Path],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default fp32-cache artifact loaded with the op (one-token steps) and without: a batch of two rows at
+    different lengths fed the same tokens for 30 steps keeps the caches equal to float order and picks the same
+    greedy tokens, the prompt's rows (ONNX Runtime's branch) are equal exactly, and every step writes the bound
+    cache buffers in place (the If's outputs are the bound caches)."""
+    import kvexport
+
+    _runs_here(isa, monkeypatch)
+    art = artifacts["llama"]
+    ours = kvexport.load(str(art), threads=2)
+    theirs = kvexport.load(str(art), threads=2, native_attention="false")
+    layers = ours.manifest.config.num_hidden_layers
+    assert ours.session.describe()["cache_attention"] == {
+        "kernel": f"kvexport Fp32CacheAttention ({isa})", "nodes": layers, "why": f"this CPU has {isa}"}
+    assert theirs.session.describe()["cache_attention"]["nodes"] == 0
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(3, 200, n)] for n in (37, 12)]
+    a, b = ours.prefill(prompts, 31), theirs.prefill(prompts, 31)
+    assert all(np.array_equal(x, y) for x, y in zip(a.state.caches, b.state.caches))
+    buffers = [c.ctypes.data for c in a.state.caches]
+    la, lb = a.logits, b.logits
+    for _ in range(30):
+        np.testing.assert_allclose(la, lb, atol=1e-4 * float(np.abs(lb).max()))
+        assert np.array_equal(la.argmax(-1), lb.argmax(-1))
+        for x, y in zip(a.state.caches, b.state.caches):
+            np.testing.assert_allclose(x, y, atol=1e-4 * float(np.abs(y).max()))
+        tok = lb.argmax(-1)
+        la, lb = ours.decode(a, tok), theirs.decode(b, tok)
+    assert [c.ctypes.data for c in a.state.caches] == buffers
+
+
+def test_doctor_says_which_cache_attention_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from kvexport.backends.cpu import CpuBackend
 
     monkeypatch.delenv(native.REQUIRE_ENV, raising=False)
     k = native.attention_kernel()
-    said = CpuBackend().doctor()["int8_cache_attention"]
-    assert said == (f"kvexport Int8CacheAttention ({k.isa})" if k.usable else f"ONNX Runtime's: {k.why}")
+    said = CpuBackend().doctor()["cache_attention"]
+    assert said == (f"kvexport Int8CacheAttention, Fp32CacheAttention ({k.isa})" if k.usable
+                    else f"ONNX Runtime's: {k.why}")
     monkeypatch.setattr(native, "LIBRARY", tmp_path / "absent.so")
-    assert CpuBackend().doctor()["int8_cache_attention"].startswith("ONNX Runtime's: not built")
+    assert CpuBackend().doctor()["cache_attention"].startswith("ONNX Runtime's: not built")

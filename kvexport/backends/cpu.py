@@ -77,19 +77,20 @@ def session_options(threads: int, optimized_path: Path | None = None) -> Any:
 
 
 def open_ort_session(model: Path, threads: int, huge_pages: bool = True, off: str = HUGE_PAGES_OFF,
-                     qmm: Kernel | None = None, attn: Kernel | None = None) -> tuple[Any, Placement, int, int]:
+                     qmm: Kernel | None = None, attn: Kernel | None = None) -> tuple[Any, Placement, int, int, Kernel]:
     """An ONNX Runtime CPU session of `model` (session_options(threads)) whose weights, repacked while the session
     is made, are then moved to huge pages where the system allows (kvexport.runtime.hugepages; `huge_pages=False`
     leaves them in small pages and records `off` as why). With a usable `qmm`, its MatMulNBits nodes that
-    kvexport's native kernel takes run it, with a usable `attn` its GroupQueryAttention nodes over an int8 cache
-    (kvexport.native); the last two values are how many of each were swapped."""
+    kvexport's native kernel takes run it, with a usable `attn` its GroupQueryAttention nodes over an int8 cache, or
+    over an fp32 cache in one-token steps (kvexport.native); then how many of each were swapped, and `attn` named
+    for the op that was."""
     from kvexport.native import open_session
 
     before = anonymous_regions() if huge_pages else None
-    sess, swapped, attended = open_session(model, session_options(threads), qmm or NOT_ASKED, huge_pages,
-                                           attn or ATTENTION_NOT_ASKED)
+    sess, swapped, attended, attn = open_session(model, session_options(threads), qmm or NOT_ASKED, huge_pages,
+                                                 attn or ATTENTION_NOT_ASKED)
     placement = collapse_new(before) if huge_pages else Placement(0, 0.0, off, asked=False)
-    return sess, placement, swapped, attended
+    return sess, placement, swapped, attended, attn
 
 
 class CpuBackend(_Backend):
@@ -260,8 +261,8 @@ class CpuBackend(_Backend):
             raise InputError(f"the cpu target takes no options {sorted(options)}; it accepts threads=N, no_rebuild, "
                              "huge_pages=true|false (default: true for int8/int4 weights), native_matmul=true|false "
                              "(default: true; kvexport's quantized matmul where it is built and the CPU runs it), "
-                             "native_attention=true|false (default: true; kvexport's attention over an int8 cache, "
-                             "likewise)")
+                             "native_attention=true|false (default: true; kvexport's attention over the cache in "
+                             "one-token steps, likewise)")
         from kvexport import native
 
         qmm = (native.kernel() if native_matmul is None or parse_bool("native_matmul", native_matmul)
@@ -320,11 +321,12 @@ class CpuBackend(_Backend):
             k = native.kernel()
             qmm = f"{k.ours} ({k.isa}) for 4-bit weights" if k.usable else f"ONNX Runtime's: {k.why}"
             a = native.attention_kernel()
-            attn = f"{a.ours} ({a.isa})" if a.usable else f"ONNX Runtime's: {a.why}"
+            attn = (f"{a.ours}, {a.for_fp32().ours.split()[-1]} ({a.isa})" if a.usable
+                    else f"ONNX Runtime's: {a.why}")
         except BackendUnavailableError as e:
             qmm = attn = str(e)
         return {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "quantized_matmul": qmm,
-                "int8_cache_attention": attn}
+                "cache_attention": attn}
 
 
 @dataclass
@@ -373,12 +375,12 @@ class CpuSession(Session):
         # positions a request may reach: past max_seq where every layer slides on a ring
         self.limit = self.ring.limit(self.max_seq) if self.ring else self.max_seq
         try:
-            self.sess, self.huge_pages, swapped, attended = open_ort_session(model, threads, huge_pages,
-                                                                             huge_pages_off, qmm, attn)
+            self.sess, self.huge_pages, swapped, attended, attn = open_ort_session(model, threads, huge_pages,
+                                                                                   huge_pages_off, qmm, attn)
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
             raise ArtifactError(f"ONNX Runtime could not load {model}: {e}; rebuild the artifact") from e
         self.qmm = (qmm or NOT_ASKED).record(swapped)
-        self.attn = (attn or ATTENTION_NOT_ASKED).record(attended)
+        self.attn = attn.record(attended)
         # the cache dtype is the loaded graph's: int8 in an engine built with --kv int8, the IR's
         # float type in the IR (the fallback above) and in every other engine
         past = {i.name: i.type for i in self.sess.get_inputs()}[self.pairs[0][0]]
@@ -398,7 +400,7 @@ class CpuSession(Session):
         return {"threads": self.threads, "cache_policy": "grow", "device": "cpu",
                 "kv_dtype": np.dtype(self.cache_dtype).name, "warning": self.warning,
                 "huge_pages": self.huge_pages.record(), "quantized_matmul": self.qmm,
-                "int8_cache_attention": self.attn,
+                "cache_attention": self.attn,
                 "ring": None if self.ring is None else {"window": self.ring.window, "layers": sorted(self.ring.layers)}}
 
     # --- state -----------------------------------------------------------------------------

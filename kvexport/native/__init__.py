@@ -10,6 +10,9 @@ attributes; the file is not changed (docs/backends/cpu.md):
   of 32 the two agree to summation order.
 - `ai.kvexport.Int8CacheAttention` (attention.c), on a CPU with AVX-512 or AVX2+FMA, for every `GroupQueryAttention`
   over an int8 cache (`--kv int8`) it takes: the same bytes stored, the attention in fp32 over them, in another order.
+- `ai.kvexport.Fp32CacheAttention` (the same kernel over a float cache), likewise, for every `GroupQueryAttention` of
+  an fp32-cache engine it takes, in the one-token step only: each such node goes under an If on "one new token",
+  ONNX Runtime's node in the other branch (prompts).
 
 Every other node stays ONNX Runtime's.
 """
@@ -23,6 +26,7 @@ from typing import Any
 DOMAIN = "ai.kvexport"
 OP = "QMatMul"
 ATTENTION_OP = "Int8CacheAttention"
+FP32_ATTENTION_OP = "Fp32CacheAttention"
 LIBRARY = Path(__file__).with_name("libkvexport_native.so")
 REQUIRE_ENV = "KVEXPORT_REQUIRE_NATIVE"  # set (CI): a missing library is an error, not a fallback
 ISA_ENV = "KVEXPORT_QMATMUL_ISA"  # "avx2": the AVX2 kernel on a CPU that has AVX512-VNNI as well
@@ -39,6 +43,10 @@ class Kernel:
     ours: str = f"kvexport {OP}"
     theirs: str = "onnxruntime MatMulNBits"
 
+    def for_fp32(self) -> "Kernel":
+        """The same choice, named for the fp32-cache op."""
+        return Kernel(self.usable, self.isa, self.why, **FP32_ATTENTION_NAMES)
+
     def record(self, swapped: int = 0) -> dict[str, Any]:
         name = f"{self.ours} ({self.isa})" if self.usable and swapped else self.theirs
         return {"kernel": name, "nodes": swapped, "why": self.why}
@@ -46,6 +54,7 @@ class Kernel:
 
 NOT_ASKED = Kernel(False, "", "not asked")  # a session made without asking for the kernel (an fp32 floor)
 ATTENTION_NAMES = {"ours": f"kvexport {ATTENTION_OP}", "theirs": "onnxruntime GroupQueryAttention"}
+FP32_ATTENTION_NAMES = {"ours": f"kvexport {FP32_ATTENTION_OP}", "theirs": "onnxruntime GroupQueryAttention"}
 ATTENTION_NOT_ASKED = Kernel(False, "", "not asked", **ATTENTION_NAMES)
 
 
@@ -106,7 +115,9 @@ def attention_isa_of(flags: set[str]) -> str:
 
 
 def attention_kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel:
-    """Whether this machine can run the native attention over an int8 cache: the library and AVX-512 or AVX2+FMA."""
+    """Whether this machine can run the native attention over a cache (int8 or fp32): the library and AVX-512 or
+    AVX2+FMA. Its record names the int8 op; a session whose swap took fp32-cache nodes names the other
+    (`Kernel.for_fp32`)."""
     return _choose(attention_isa_of(_flags(flags)), ATTENTION_ISA_ENV, library, "AVX-512 nor AVX2+FMA",
                    **ATTENTION_NAMES)
 
@@ -148,18 +159,75 @@ ATTENTION_DEFAULTS = {"softcap": 0.0, "local_window_size": -1, "qk_output": 0, "
 ATTENTION_KEPT = ("num_heads", "kv_num_heads", "scale", "do_rotary")
 
 
-def takes_attention(node: Any) -> bool:
-    """A GroupQueryAttention the attention op computes: an 8-bit cache with per-tensor or per-channel scales,
-    causal, no softcap, local window, smooth softmax, head sink or qk output, rotation (if any) rotate-half."""
-    if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
-        return False
+def _plain_attention(node: Any) -> tuple[dict[str, Any], list[str]] | None:
+    """A GroupQueryAttention the op computes at these attributes (causal, no softcap, local window, smooth softmax,
+    head sink or qk output, rotation (if any) rotate-half): its attributes and its 14 inputs; else None."""
+    if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft" or len(node.input) > 14:
+        return None
     a = _attrs(node)
     inputs = list(node.input) + [""] * (14 - len(node.input))
+    if (int(a.get("smooth_softmax", 0)) == 1 or inputs[11]
+            or not all(a.get(k, v) == v for k, v in ATTENTION_DEFAULTS.items())):
+        return None
+    return a, inputs
+
+
+def takes_attention(node: Any) -> bool:
+    """A GroupQueryAttention the int8 attention op computes: an 8-bit cache with per-tensor or per-channel scales,
+    and otherwise what _plain_attention takes."""
+    plain = _plain_attention(node)
+    if plain is None:
+        return False
+    a, inputs = plain
     quant = {a.get("k_quant_type", b"NONE"), a.get("v_quant_type", b"NONE")}
     return (int(a.get("kv_cache_bit_width", 0)) == 8 and quant <= {b"PER_CHANNEL", b"PER_TENSOR"}
-            and int(a.get("smooth_softmax", 0)) != 1
-            and all(a.get(k, v) == v for k, v in ATTENTION_DEFAULTS.items())
-            and not inputs[11] and bool(inputs[12]) and bool(inputs[13]) and len(node.input) <= 14)
+            and bool(inputs[12]) and bool(inputs[13]))
+
+
+def float_caches(graph: Any) -> set[str]:
+    """The names of `graph`'s float inputs of rank 4: the caches an fp32-cache engine binds."""
+    from onnx import TensorProto
+
+    return {i.name for i in graph.input if i.type.tensor_type.elem_type == TensorProto.FLOAT
+            and len(i.type.tensor_type.shape.dim) == 4}
+
+
+def takes_fp32_attention(node: Any, caches: set[str]) -> bool:
+    """A GroupQueryAttention the fp32 attention op computes: no quantized cache (no kv_cache_bit_width, k_scale or
+    v_scale), past key and value read from `caches` (the graph's float cache inputs, which the engine binds as
+    present too), and otherwise what _plain_attention takes."""
+    plain = _plain_attention(node)
+    if plain is None:
+        return False
+    a, inputs = plain
+    return (int(a.get("kv_cache_bit_width", 0)) == 0 and not inputs[12] and not inputs[13]
+            and inputs[3] in caches and inputs[4] in caches)
+
+
+def _one_token_branch(graph: Any, node: Any) -> list[Any]:
+    """An If on "`node`'s query holds one token" whose then-branch is kvexport's fp32 attention op and whose else
+    branch is `node` (ONNX Runtime's, for prompts), each writing the If's outputs, which are `node`'s (the engine
+    binds the presents to the cache buffers, and the branch's kernel writes them in place)."""
+    from onnx import TensorProto, helper
+
+    scope = (node.name or node.output[0]) + "/one_token"
+    graph.initializer.append(helper.make_tensor(f"{scope}/one", TensorProto.INT64, [1], [1]))
+    tokens = helper.make_node("Shape", [node.input[0]], [f"{scope}/tokens"], start=1, end=2)
+    one = helper.make_node("Equal", [f"{scope}/tokens", f"{scope}/one"], [f"{scope}/cond"])
+    branches = []
+    for form in ("one", "many"):
+        n = type(node)()
+        n.CopyFrom(node)
+        n.name = f"{scope}/{form}"
+        del n.output[:]
+        n.output.extend(f"{scope}/{form}/{o}" for o in node.output)
+        if form == "one":
+            _retype(n, FP32_ATTENTION_OP, ATTENTION_KEPT, [])
+        branches.append(helper.make_graph([n], f"{scope}/{form}", [], [
+            helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in n.output]))
+    branch = helper.make_node("If", [f"{scope}/cond"], list(node.output), name=f"{scope}/If",
+                              then_branch=branches[0], else_branch=branches[1])
+    return [tokens, one, branch]
 
 
 def _graphs(graph: Any) -> Any:
@@ -187,7 +255,9 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
          attention: bool = False) -> tuple[int, int]:
     """Turn each MatMulNBits node of `widths` bits the matmul kernel takes on `isa` (none where `isa` is "") into
     ai.kvexport.QMatMul, and with `attention` each GroupQueryAttention over an int8 cache the attention op takes
-    into ai.kvexport.Int8CacheAttention, in place, in every subgraph; the numbers swapped (matmuls, attentions).
+    into ai.kvexport.Int8CacheAttention, in place, in every subgraph, and each one over the main graph's float
+    caches that the fp32 op takes under an If that runs ai.kvexport.Fp32CacheAttention for one new token
+    (_one_token_branch); the numbers swapped (matmuls, attentions of either kind).
     `huge_pages`: whether the matmul kernel asks for huge pages for its packed weights."""
     from onnx import helper
 
@@ -201,25 +271,40 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
             elif attention and takes_attention(node):
                 _retype(node, ATTENTION_OP, ATTENTION_KEPT, [])
                 m += 1
+    if attention:
+        g, caches = model.graph, float_caches(model.graph)
+        made = []
+        for node in g.node:
+            if takes_fp32_attention(node, caches):
+                made.extend(_one_token_branch(g, node))
+                m += 1
+            else:
+                made.append(node)
+        if len(made) != len(g.node):
+            del g.node[:]
+            g.node.extend(made)
     if (n or m) and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return n, m
 
 
 def open_session(model_path: Path, options: Any, kern: Kernel, huge_pages: bool = True,
-                 attn: Kernel = ATTENTION_NOT_ASKED) -> tuple[Any, int, int]:
+                 attn: Kernel = ATTENTION_NOT_ASKED) -> tuple[Any, int, int, Kernel]:
     """An ONNX Runtime CPU session of `model_path` with the usable kernels (`kern`: the quantized matmul, `attn`:
-    the int8-cache attention) swapped in where they apply (weights read from the graph's own external-data folder),
-    and the numbers of nodes swapped (matmuls, attentions); where none applies the file is loaded as it is."""
+    the cache attention) swapped in where they apply (weights read from the graph's own external-data folder),
+    the numbers of nodes swapped (matmuls, attentions) and `attn` named for the op it swapped in (int8 or fp32
+    cache); where none applies the file is loaded as it is."""
     import onnx
     import onnxruntime as ort
 
     model = onnx.load(str(model_path), load_external_data=False) if kern.usable or attn.usable else None
     n, m = (swap(model, kern.isa if kern.usable else "", huge_pages=huge_pages, attention=attn.usable)
             if model is not None else (0, 0))
+    if model is not None and float_caches(model.graph):
+        attn = attn.for_fp32()
     if not (n or m):
-        return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"]), 0, 0
+        return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"]), 0, 0, attn
     options.register_custom_ops_library(str(LIBRARY))
     options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                      str(model_path.parent))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]), n, m
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]), n, m, attn

@@ -11,6 +11,10 @@
  * non-causal attention, softcap, local windows, smooth softmax, head sinks, qk output, interleaved rotation
  * (kvexport.native swaps only the nodes without them).
  *
+ * Op `Fp32CacheAttention`, same domain: the same for a float cache (GroupQueryAttention without kv_cache_bit_width;
+ * no k_scale/v_scale): the new rows stored as they come (the key rotated), the attention read from the rows where
+ * they lie. One kernel serves both, the cache's element type a constant of it.
+ *
  * Why: at a long context a decode step reads the whole cache once, and on the Zen 4 measured ONNX Runtime 1.31's CPU
  * kernel spends on an int8 cache about what it spends on an fp32 one four times its size (docs/backends/cpu.md).
  * Here each task takes one KV head and a run of cache rows for every query head of its group: 16 rows at a time
@@ -41,6 +45,7 @@ typedef struct {
   float scale; /* 0: 1 / sqrt(D) */
   int rotary;
   int isa; /* 2: AVX-512, 1: AVX2 + FMA */
+  int f32; /* Fp32CacheAttention: the cache is float, no scales */
 } AKernel;
 
 /* ---------------------------------------------------------------- helpers */
@@ -85,13 +90,13 @@ static void quantize_row(const float *x, const float *scale, int64_t D, int8_t *
 
 typedef struct {
   int64_t B, S, H, KV, G, D, max_seq, runs;
-  const int8_t *kc, *vc; /* present caches (B, KV, max_seq, D) */
+  const void *kc, *vc;   /* present caches (B, KV, max_seq, D): int8, or float where f32 */
   const float *q;        /* (B, S, H, D): rotated, times the key scale and the softmax scale */
   const int64_t *last;   /* (B, S): the last row each query token attends to */
   const float *bias;     /* attention_bias or NULL: bias[b * bb + h * bh + s * bs + j] */
   int64_t bb, bh, bs;
   float *part; /* per task and head of its group: max, sum, weighted values (D) */
-  int isa;
+  int isa, f32;
 } AJob;
 
 /* 16 vectors -> one vector of their 16 sums */
@@ -140,8 +145,25 @@ __attribute__((target("avx512f"))) static inline void widen16(const int8_t *rows
     }
 }
 
+/* 16 cache rows from row r0 of a run of n as float (stride D), zeros past the run: a float cache's rows are read
+ * where they lie but for the run's last block (copied, so that nothing past the buffer is read) */
+__attribute__((target("avx512f"), always_inline)) static inline const float *rows16(const void *cache, int64_t r0,
+                                                                                   int64_t n, int64_t NV, int F32,
+                                                                                   float *wide) {
+  const int64_t D = NV * 16;
+  if (!F32) {
+    widen16((const int8_t *)cache + r0 * D, n - r0, NV, wide);
+    return wide;
+  }
+  const float *rows = (const float *)cache + r0 * D;
+  if (n - r0 >= 16) return rows;
+  memcpy(wide, rows, (size_t)((n - r0) * D) * sizeof(float));
+  memset(wide + (n - r0) * D, 0, (size_t)((16 - (n - r0)) * D) * sizeof(float));
+  return wide;
+}
+
 __attribute__((target("avx512f,fma"), always_inline)) static inline void attend_run(const AJob *J, size_t task,
-                                                                                   const int64_t NV) {
+                                                                                   const int64_t NV, const int F32) {
   const int64_t G = J->G, D = J->D;
   const int64_t run = (int64_t)task % J->runs, kvh = ((int64_t)task / J->runs) % J->KV;
   const int64_t bs_ = (int64_t)task / (J->runs * J->KV), b = bs_ / J->S, s = bs_ % J->S;
@@ -151,22 +173,21 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void attend_
     for (int64_t g = 0; g < G; g++) part[g * (D + 2)] = -INFINITY, part[g * (D + 2) + 1] = 0.f;
     return;
   }
-  const int64_t n = j1 - j0;
-  const int8_t *K = J->kc + ((b * J->KV + kvh) * J->max_seq + j0) * D;
-  const int8_t *V = J->vc + ((b * J->KV + kvh) * J->max_seq + j0) * D;
+  const int64_t n = j1 - j0, at = ((b * J->KV + kvh) * J->max_seq + j0) * D, esize = F32 ? 4 : 1;
+  const char *K = (const char *)J->kc + at * esize, *V = (const char *)J->vc + at * esize;
   const float *q = J->q + ((b * J->S + s) * J->H + kvh * G) * D;
   float sc[MAX_GROUP * RUN] __attribute__((aligned(64)));
   float wide[16 * MAX_D] __attribute__((aligned(64)));
 
   /* scores: q . k for 16 rows at a time */
   for (int64_t r0 = 0; r0 < n; r0 += 16) {
-    widen16(K + r0 * D, n - r0, NV, wide);
+    const float *kr = rows16(K, r0, n, NV, F32, wide);
     for (int64_t g = 0; g < G; g++) {
       __m512 acc[16];
       for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
       for (int64_t c = 0; c < NV; c++) {
         const __m512 qv = _mm512_loadu_ps(q + g * D + c * 16);
-        for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wide + (r * NV + c) * 16), qv, acc[r]);
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(kr + (r * NV + c) * 16), qv, acc[r]);
       }
       _mm512_storeu_ps(sc + g * RUN + r0, sum16(acc));
     }
@@ -212,7 +233,8 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void attend_
     for (int64_t r = 0; r < n; r++) {
       __m512 v[4];
       for (int c = 0; c < 4; c++)
-        v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(V + r * 64 + c * 16))));
+        v[c] = F32 ? _mm512_loadu_ps((const float *)V + r * 64 + c * 16)
+                   : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(V + r * 64 + c * 16))));
 #pragma GCC unroll 6
       for (int g = 0; g < 6; g++) {
         if (g >= G) break;
@@ -230,7 +252,7 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void attend_
   /* any other shape: 16 rows widened at a time, four sums a channel block to keep the adds apart */
   for (int64_t r0 = 0; r0 < n; r0 += 16) {
     const int64_t rows = n - r0 < 16 ? n - r0 : 16;
-    widen16(V + r0 * D, rows, NV, wide);
+    const float *vr = rows16(V, r0, n, NV, F32, wide);
     for (int64_t g = 0; g < G; g++) {
       const float *p = sc + g * RUN + r0;
       float *o = part + g * (D + 2) + 2;
@@ -239,12 +261,12 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void attend_
                a3 = _mm512_setzero_ps();
         int64_t r = 0;
         for (; r + 4 <= rows; r += 4) {
-          a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[r]), _mm512_loadu_ps(wide + (r * NV + c) * 16), a0);
-          a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[r + 1]), _mm512_loadu_ps(wide + ((r + 1) * NV + c) * 16), a1);
-          a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[r + 2]), _mm512_loadu_ps(wide + ((r + 2) * NV + c) * 16), a2);
-          a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[r + 3]), _mm512_loadu_ps(wide + ((r + 3) * NV + c) * 16), a3);
+          a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[r]), _mm512_loadu_ps(vr + (r * NV + c) * 16), a0);
+          a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[r + 1]), _mm512_loadu_ps(vr + ((r + 1) * NV + c) * 16), a1);
+          a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[r + 2]), _mm512_loadu_ps(vr + ((r + 2) * NV + c) * 16), a2);
+          a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[r + 3]), _mm512_loadu_ps(vr + ((r + 3) * NV + c) * 16), a3);
         }
-        for (; r < rows; r++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[r]), _mm512_loadu_ps(wide + (r * NV + c) * 16), a0);
+        for (; r < rows; r++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[r]), _mm512_loadu_ps(vr + (r * NV + c) * 16), a0);
         _mm512_storeu_ps(o + c * 16, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
       }
     }
@@ -290,6 +312,21 @@ __attribute__((target("avx2,fma"))) static inline void widen8(const int8_t *rows
     }
 }
 
+/* 8 cache rows from row r0 of a run of n as float, as rows16 */
+__attribute__((target("avx2,fma"))) static inline const float *rows8(const void *cache, int64_t r0, int64_t n,
+                                                                     int64_t NV, int f32, float *wide) {
+  const int64_t D = NV * 8;
+  if (!f32) {
+    widen8((const int8_t *)cache + r0 * D, n - r0, NV, wide);
+    return wide;
+  }
+  const float *rows = (const float *)cache + r0 * D;
+  if (n - r0 >= 8) return rows;
+  memcpy(wide, rows, (size_t)((n - r0) * D) * sizeof(float));
+  memset(wide + (n - r0) * D, 0, (size_t)((8 - (n - r0)) * D) * sizeof(float));
+  return wide;
+}
+
 __attribute__((target("avx2,fma"))) static void attend_run_avx2(const AJob *J, size_t task) {
   const int64_t G = J->G, D = J->D, NV = D / 8;
   const int64_t run = (int64_t)task % J->runs, kvh = ((int64_t)task / J->runs) % J->KV;
@@ -300,21 +337,20 @@ __attribute__((target("avx2,fma"))) static void attend_run_avx2(const AJob *J, s
     for (int64_t g = 0; g < G; g++) part[g * (D + 2)] = -INFINITY, part[g * (D + 2) + 1] = 0.f;
     return;
   }
-  const int64_t n = j1 - j0, n8 = (n + 7) / 8 * 8;
-  const int8_t *K = J->kc + ((b * J->KV + kvh) * J->max_seq + j0) * D;
-  const int8_t *V = J->vc + ((b * J->KV + kvh) * J->max_seq + j0) * D;
+  const int64_t n = j1 - j0, n8 = (n + 7) / 8 * 8, at = ((b * J->KV + kvh) * J->max_seq + j0) * D;
+  const char *K = (const char *)J->kc + at * (J->f32 ? 4 : 1), *V = (const char *)J->vc + at * (J->f32 ? 4 : 1);
   const float *q = J->q + ((b * J->S + s) * J->H + kvh * G) * D;
   float sc[MAX_GROUP * RUN] __attribute__((aligned(32)));
   float wide[8 * MAX_D] __attribute__((aligned(32)));
 
   for (int64_t r0 = 0; r0 < n; r0 += 8) {
-    widen8(K + r0 * D, n - r0, NV, wide);
+    const float *kr = rows8(K, r0, n, NV, J->f32, wide);
     for (int64_t g = 0; g < G; g++) {
       __m256 acc[8];
       for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
       for (int64_t c = 0; c < NV; c++) {
         const __m256 qv = _mm256_loadu_ps(q + g * D + c * 8);
-        for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wide + (r * NV + c) * 8), qv, acc[r]);
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(kr + (r * NV + c) * 8), qv, acc[r]);
       }
       _mm256_storeu_ps(sc + g * RUN + r0, sum8(acc));
     }
@@ -355,7 +391,7 @@ __attribute__((target("avx2,fma"))) static void attend_run_avx2(const AJob *J, s
   /* weighted values: 8 rows widened at a time, four sums a channel block */
   for (int64_t r0 = 0; r0 < n; r0 += 8) {
     const int64_t rows = n - r0 < 8 ? n - r0 : 8;
-    widen8(V + r0 * D, rows, NV, wide);
+    const float *vr = rows8(V, r0, n, NV, J->f32, wide);
     for (int64_t g = 0; g < G; g++) {
       const float *p = sc + g * RUN + r0;
       float *o = part + g * (D + 2) + 2;
@@ -363,10 +399,10 @@ __attribute__((target("avx2,fma"))) static void attend_run_avx2(const AJob *J, s
         __m256 a0 = _mm256_loadu_ps(o + c * 8), a1 = _mm256_setzero_ps();
         int64_t r = 0;
         for (; r + 2 <= rows; r += 2) {
-          a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[r]), _mm256_loadu_ps(wide + (r * NV + c) * 8), a0);
-          a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[r + 1]), _mm256_loadu_ps(wide + ((r + 1) * NV + c) * 8), a1);
+          a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[r]), _mm256_loadu_ps(vr + (r * NV + c) * 8), a0);
+          a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[r + 1]), _mm256_loadu_ps(vr + ((r + 1) * NV + c) * 8), a1);
         }
-        if (r < rows) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[r]), _mm256_loadu_ps(wide + (r * NV + c) * 8), a0);
+        if (r < rows) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[r]), _mm256_loadu_ps(vr + (r * NV + c) * 8), a0);
         _mm256_storeu_ps(o + c * 8, _mm256_add_ps(a0, a1));
       }
     }
@@ -374,10 +410,14 @@ __attribute__((target("avx2,fma"))) static void attend_run_avx2(const AJob *J, s
 }
 
 __attribute__((target("avx512f,fma"))) static void attend_avx512(const AJob *J, size_t task) {
-  if (J->D == 64)
-    attend_run(J, task, 4); /* the common head size, its loops unrolled */
+  if (J->D == 64 && J->f32)
+    attend_run(J, task, 4, 1); /* the common head size, its loops unrolled */
+  else if (J->D == 64)
+    attend_run(J, task, 4, 0);
+  else if (J->f32)
+    attend_run(J, task, J->D / 16, 1);
   else
-    attend_run(J, task, J->D / 16);
+    attend_run(J, task, J->D / 16, 0);
 }
 
 static void attend_task(void *data, size_t task) {
@@ -400,9 +440,10 @@ static int cpu_isa(void) {
   return __builtin_cpu_supports("avx2") ? 1 : 0;
 }
 
+static OrtCustomOp g_op, g_op_f32;
+
 static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info,
                                              void **out) {
-  (void)op;
   (void)api;
   int64_t H = 0, KV = 0, rotary = 0;
   float scale = 0.f;
@@ -419,26 +460,26 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
     rotary = 0;
   }
   if (H <= 0 || KV <= 0 || H % KV != 0 || H / KV > MAX_GROUP)
-    return fail("Int8CacheAttention: num_heads must be a multiple of kv_num_heads, at most 16 times it");
+    return fail("CacheAttention: num_heads must be a multiple of kv_num_heads, at most 16 times it");
   const int isa = cpu_isa();
-  if (isa == 0) return fail("Int8CacheAttention: this CPU has neither AVX-512 nor AVX2+FMA");
+  if (isa == 0) return fail("CacheAttention: this CPU has neither AVX-512 nor AVX2+FMA");
   AKernel *k = (AKernel *)calloc(1, sizeof(AKernel));
-  if (k == NULL) return g_ort->CreateStatus(ORT_FAIL, "Int8CacheAttention: out of memory");
-  k->H = H, k->KV = KV, k->scale = scale, k->rotary = rotary != 0, k->isa = isa;
+  if (k == NULL) return g_ort->CreateStatus(ORT_FAIL, "CacheAttention: out of memory");
+  k->H = H, k->KV = KV, k->scale = scale, k->rotary = rotary != 0, k->isa = isa, k->f32 = op == &g_op_f32;
   *out = k;
   return NULL;
 }
 
 /* per-channel scales (H_kv * D) from a k_scale/v_scale input: one value (per tensor) or H_kv * D */
 static OrtStatus *channel_scales(const OrtValue *v, int64_t KV, int64_t D, float *out) {
-  if (v == NULL) return fail("Int8CacheAttention: k_scale and v_scale are required");
+  if (v == NULL) return fail("CacheAttention: k_scale and v_scale are required");
   int64_t dims[8];
   size_t rank = 0;
   ONNXTensorElementDataType type;
   RETURN_IF(kvx_dims(g_ort, v, dims, &rank, &type));
   const int64_t n = count_of(dims, rank);
   if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || (n != 1 && n != KV * D))
-    return fail("Int8CacheAttention: a scale is neither one float nor one per KV head and channel");
+    return fail("CacheAttention: a scale is neither one float nor one per KV head and channel");
   void *p = NULL;
   RETURN_IF(data_of(v, &p));
   for (int64_t i = 0; i < KV * D; i++) out[i] = ((const float *)p)[n == 1 ? 0 : i];
@@ -453,39 +494,41 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   RETURN_IF(g_ort->KernelContext_GetInputCount(ctx, &given));
   for (size_t i = 0; i < 14 && i < given; i++) RETURN_IF(g_ort->KernelContext_GetInput(ctx, i, &in[i]));
   if (in[0] == NULL || in[3] == NULL || in[4] == NULL || in[5] == NULL || in[6] == NULL)
-    return fail("Int8CacheAttention: query, past_key, past_value, seqlens_k and total_sequence_length are required");
-  if (in[11] != NULL) return fail("Int8CacheAttention: head_sink is not taken");
+    return fail("CacheAttention: query, past_key, past_value, seqlens_k and total_sequence_length are required");
+  if (in[11] != NULL) return fail("CacheAttention: head_sink is not taken");
   int64_t qd[8], pd[8], dims[8];
   size_t qr = 0, pr = 0, rank = 0;
   ONNXTensorElementDataType type;
   RETURN_IF(kvx_dims(g_ort, in[0], qd, &qr, &type));
-  if (qr != 3 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return fail("Int8CacheAttention: query is not (B, S, hidden) float");
+  if (qr != 3 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return fail("CacheAttention: query is not (B, S, hidden) float");
+  const ONNXTensorElementDataType ctype = k->f32 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  const size_t esize = k->f32 ? sizeof(float) : 1;
   RETURN_IF(kvx_dims(g_ort, in[3], pd, &pr, &type));
-  if (pr != 4 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) return fail("Int8CacheAttention: past_key is not (B, H_kv, max_seq, D) int8");
+  if (pr != 4 || type != ctype) return fail("CacheAttention: past_key is not (B, H_kv, max_seq, D) of the op's cache type");
   const int64_t B = qd[0], S = qd[1], D = pd[3], max_seq = pd[2];
   const int packed = in[1] == NULL;
   if (pd[0] != B || pd[1] != KV || D % 16 != 0 || D > MAX_D)
-    return fail("Int8CacheAttention: past_key's batch or heads differ from the query's, or its head size is not a multiple of 16 up to 256");
-  if (qd[2] != (packed ? (H + 2 * KV) * D : H * D)) return fail("Int8CacheAttention: query's width is not the heads' (packed q|k|v or q)");
+    return fail("CacheAttention: past_key's batch or heads differ from the query's, or its head size is not a multiple of 16 up to 256");
+  if (qd[2] != (packed ? (H + 2 * KV) * D : H * D)) return fail("CacheAttention: query's width is not the heads' (packed q|k|v or q)");
   RETURN_IF(kvx_dims(g_ort, in[4], dims, &rank, &type));
-  if (rank != 4 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 || memcmp(dims, pd, sizeof(int64_t) * 4) != 0)
-    return fail("Int8CacheAttention: past_value is not past_key's shape in int8");
+  if (rank != 4 || type != ctype || memcmp(dims, pd, sizeof(int64_t) * 4) != 0)
+    return fail("CacheAttention: past_value is not past_key's shape and type");
   if (!packed) {
-    if (in[2] == NULL) return fail("Int8CacheAttention: key without value");
+    if (in[2] == NULL) return fail("CacheAttention: key without value");
     for (int i = 1; i <= 2; i++) {
       RETURN_IF(kvx_dims(g_ort, in[i], dims, &rank, &type));
       if (rank != 3 || dims[0] != B || dims[1] != S || dims[2] != KV * D)
-        return fail("Int8CacheAttention: key/value are not (B, S, H_kv * D)");
+        return fail("CacheAttention: key/value are not (B, S, H_kv * D)");
     }
   }
   RETURN_IF(kvx_dims(g_ort, in[5], dims, &rank, &type));
-  if (count_of(dims, rank) != B || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32) return fail("Int8CacheAttention: seqlens_k is not (B) int32");
+  if (count_of(dims, rank) != B || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32) return fail("CacheAttention: seqlens_k is not (B) int32");
   void *p = NULL;
   RETURN_IF(data_of(in[5], &p));
   const int32_t *seqlens = (const int32_t *)p;
   RETURN_IF(kvx_dims(g_ort, in[6], dims, &rank, &type));
   if (count_of(dims, rank) != 1 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
-    return fail("Int8CacheAttention: total_sequence_length is not one int32");
+    return fail("CacheAttention: total_sequence_length is not one int32");
   RETURN_IF(data_of(in[6], &p));
   const int64_t total = *(const int32_t *)p;
 
@@ -494,9 +537,9 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   const int64_t *pos = NULL;
   int64_t half = 0, table = 0;
   if (k->rotary) {
-    if (in[7] == NULL || in[8] == NULL) return fail("Int8CacheAttention: do_rotary without cos_cache and sin_cache");
+    if (in[7] == NULL || in[8] == NULL) return fail("CacheAttention: do_rotary without cos_cache and sin_cache");
     RETURN_IF(kvx_dims(g_ort, in[7], dims, &rank, &type));
-    if (rank != 2 || 2 * dims[1] > D) return fail("Int8CacheAttention: cos_cache is not (positions, rotary_dim / 2)");
+    if (rank != 2 || 2 * dims[1] > D) return fail("CacheAttention: cos_cache is not (positions, rotary_dim / 2)");
     table = dims[0], half = dims[1];
     RETURN_IF(data_of(in[7], &p));
     cs = (const float *)p;
@@ -505,7 +548,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (in[9] != NULL) {
       RETURN_IF(kvx_dims(g_ort, in[9], dims, &rank, &type));
       if (count_of(dims, rank) != B * S || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64)
-        return fail("Int8CacheAttention: position_ids is not (B, S) int64");
+        return fail("CacheAttention: position_ids is not (B, S) int64");
       RETURN_IF(data_of(in[9], &p));
       pos = (const int64_t *)p;
     }
@@ -517,7 +560,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     RETURN_IF(kvx_dims(g_ort, in[10], dims, &rank, &type));
     if (rank != 4 || type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || (dims[0] != 1 && dims[0] != B) ||
         (dims[1] != 1 && dims[1] != H) || dims[2] != S || dims[3] != total)
-      return fail("Int8CacheAttention: attention_bias is not (B or 1, H or 1, S, total_sequence_length) float");
+      return fail("CacheAttention: attention_bias is not (B or 1, H or 1, S, total_sequence_length) float");
     bsd = dims[3], bh = dims[1] == 1 ? 0 : S * bsd, bb = dims[0] == 1 ? 0 : dims[1] * S * bsd;
     RETURN_IF(data_of(in[10], &p));
     bias = (const float *)p;
@@ -546,13 +589,13 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     const int64_t held = (int64_t)seqlens[b] + 1 - S;
     if (held < 0 || seqlens[b] >= max_seq) continue; /* refused below */
     for (int i = 0; i < 2; i++) {
-      int8_t *to = (int8_t *)(i ? vc : kc);
-      const int8_t *from = (const int8_t *)(i ? vpast : kpast);
+      char *to = (char *)(i ? vc : kc);
+      const char *from = (const char *)(i ? vpast : kpast);
       if (to == from) continue;
       for (int64_t h = 0; h < KV; h++) {
-        const int64_t off = (b * KV + h) * max_seq * D;
-        memcpy(to + off, from + off, (size_t)(held * D));
-        memset(to + off + held * D, 0, (size_t)((max_seq - held) * D));
+        const size_t off = (size_t)((b * KV + h) * max_seq * D) * esize;
+        memcpy(to + off, from + off, (size_t)(held * D) * esize);
+        memset(to + off + (size_t)(held * D) * esize, 0, (size_t)((max_seq - held) * D) * esize);
       }
     }
   }
@@ -565,16 +608,22 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   const int64_t runs = (rows_held + RUN - 1) / RUN, tasks = B * S * KV * runs;
   const size_t floats = (size_t)(2 * KV * D + B * S * H * D + 2 * D + tasks * G * (D + 2));
   int64_t *last = (int64_t *)malloc((size_t)(B * S) * sizeof(int64_t) + floats * sizeof(float));
-  if (last == NULL) return g_ort->CreateStatus(ORT_FAIL, "Int8CacheAttention: out of memory");
+  if (last == NULL) return g_ort->CreateStatus(ORT_FAIL, "CacheAttention: out of memory");
   float *ks = (float *)(last + B * S), *vs = ks + KV * D, *qs = vs + KV * D, *tmp = qs + B * S * H * D;
   float *part = tmp + 2 * D;
   const float scale = k->scale != 0.f ? k->scale : 1.0f / sqrtf((float)D);
-  OrtStatus *st = channel_scales(in[12], KV, D, ks);
-  if (st == NULL) st = channel_scales(in[13], KV, D, vs);
+  OrtStatus *st = NULL;
+  if (k->f32) { /* a float cache: no scales */
+    if (in[12] != NULL || in[13] != NULL) st = fail("Fp32CacheAttention: a float cache takes no k_scale or v_scale");
+    for (int64_t i = 0; i < KV * D; i++) ks[i] = vs[i] = 1.f;
+  } else {
+    st = channel_scales(in[12], KV, D, ks);
+    if (st == NULL) st = channel_scales(in[13], KV, D, vs);
+  }
   for (int64_t b = 0; st == NULL && b < B; b++) {
     const int64_t past = (int64_t)seqlens[b] + 1 - S;
     if (past < 0 || seqlens[b] >= max_seq || (bias != NULL && seqlens[b] >= total)) {
-      st = fail("Int8CacheAttention: seqlens_k is outside the cache (or past total_sequence_length)");
+      st = fail("CacheAttention: seqlens_k is outside the cache (or past total_sequence_length)");
       break;
     }
     for (int64_t s = 0; s < S; s++) {
@@ -585,7 +634,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
       const float *vx = packed ? x + (H + KV) * D : (const float *)vp + bs_ * KV * D;
       const int64_t at = pos != NULL ? pos[bs_] : row;
       if (k->rotary && (at < 0 || at >= table)) {
-        st = fail("Int8CacheAttention: a position is outside the cos/sin tables");
+        st = fail("CacheAttention: a position is outside the cos/sin tables");
         break;
       }
       for (int64_t h = 0; h < H; h++) {
@@ -599,14 +648,18 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         const int64_t off = ((b * KV + h) * max_seq + row) * D;
         const float *kh = kx + h * D;
         if (k->rotary) rotate(kh, cs + at * half, sn + at * half, half, D, tmp), kh = tmp;
-        quantize_row(kh, ks + h * D, D, (int8_t *)kc + off);
-        quantize_row(vx + h * D, vs + h * D, D, (int8_t *)vc + off);
+        if (k->f32) {
+          memcpy((float *)kc + off, kh, (size_t)D * sizeof(float));
+          memcpy((float *)vc + off, vx + h * D, (size_t)D * sizeof(float));
+        } else {
+          quantize_row(kh, ks + h * D, D, (int8_t *)kc + off);
+          quantize_row(vx + h * D, vs + h * D, D, (int8_t *)vc + off);
+        }
       }
     }
   }
   if (st == NULL) {
-    AJob J = {B, S, H, KV, G, D, max_seq, runs, (const int8_t *)kc, (const int8_t *)vc, qs, last, bias, bb, bh, bsd, part,
-              k->isa};
+    AJob J = {B, S, H, KV, G, D, max_seq, runs, kc, vc, qs, last, bias, bb, bh, bsd, part, k->isa, k->f32};
     st = g_ort->KernelContext_ParallelFor(ctx, attend_task, (size_t)tasks, 0, &J);
   }
   /* merge the runs of each query head; the value scale once per channel */
@@ -636,15 +689,13 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
 static void ORT_API_CALL destroy(void *kernel) { free(kernel); }
 
 static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
-  (void)op;
-  return "Int8CacheAttention";
+  return op == &g_op_f32 ? "Fp32CacheAttention" : "Int8CacheAttention";
 }
 static ONNXTensorElementDataType ORT_API_CALL in_type(const OrtCustomOp *op, size_t i) {
-  (void)op;
   switch (i) {
     case 3:
     case 4:
-      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+      return op == &g_op_f32 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
     case 5:
     case 6:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
@@ -659,8 +710,7 @@ static size_t ORT_API_CALL in_count(const OrtCustomOp *op) {
   return 14;
 }
 static ONNXTensorElementDataType ORT_API_CALL out_type(const OrtCustomOp *op, size_t i) {
-  (void)op;
-  return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  return i == 0 || op == &g_op_f32 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 }
 static size_t ORT_API_CALL out_count(const OrtCustomOp *op) {
   (void)op;
@@ -671,21 +721,24 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL in_required(const OrtCu
   return (i == 0 || (i >= 3 && i <= 6)) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
-static OrtCustomOp g_op;
+static void define(OrtCustomOp *op) {
+  kvx_common(op);
+  op->GetName = op_name;
+  op->GetInputType = in_type;
+  op->GetInputTypeCount = in_count;
+  op->GetOutputType = out_type;
+  op->GetOutputTypeCount = out_count;
+  op->GetInputCharacteristic = in_required; /* most inputs are optional */
+  op->CreateKernelV2 = create_kernel;
+  op->KernelComputeV2 = compute;
+  op->KernelDestroy = destroy;
+}
 
-const OrtCustomOp *kvx_attention_op(const OrtApi *api) {
+const OrtCustomOp *kvx_attention_op(const OrtApi *api, int f32) {
   if (g_ort == NULL) {
     g_ort = api;
-    kvx_common(&g_op);
-    g_op.GetName = op_name;
-    g_op.GetInputType = in_type;
-    g_op.GetInputTypeCount = in_count;
-    g_op.GetOutputType = out_type;
-    g_op.GetOutputTypeCount = out_count;
-    g_op.GetInputCharacteristic = in_required; /* most inputs are optional */
-    g_op.CreateKernelV2 = create_kernel;
-    g_op.KernelComputeV2 = compute;
-    g_op.KernelDestroy = destroy;
+    define(&g_op);
+    define(&g_op_f32);
   }
-  return &g_op;
+  return f32 ? &g_op_f32 : &g_op;
 }

@@ -31,8 +31,8 @@ static inline OrtStatus *kvx_dims(const OrtApi *api, const OrtValue *v, int64_t 
   return st;
 }
 
-/* Int8CacheAttention (attention.c); `api` is kept for its kernels */
-const OrtCustomOp *kvx_attention_op(const OrtApi *api);
+/* Int8CacheAttention (f32 = 0) or Fp32CacheAttention (f32 = 1), attention.c; `api` is kept for their kernels */
+const OrtCustomOp *kvx_attention_op(const OrtApi *api, int f32);
 
 static const char *ORT_API_CALL kvx_cpu_ep(const OrtCustomOp *op) {
   (void)op;

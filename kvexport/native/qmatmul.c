@@ -401,7 +401,8 @@ static size_t ORT_API_CALL out_count(const OrtCustomOp *op) {
 static OrtCustomOp g_op;
 static OrtCustomOpDomain *g_domain = NULL;
 
-/* Entry point for SessionOptions.register_custom_ops_library: QMatMul here, Int8CacheAttention (attention.c). */
+/* Entry point for SessionOptions.register_custom_ops_library: QMatMul here, Int8CacheAttention and
+ * Fp32CacheAttention (attention.c). */
 OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
   if (g_ort == NULL) {
     g_ort = base->GetApi(ORT_API_VERSION);
@@ -417,7 +418,8 @@ OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtA
     g_op.KernelDestroy = destroy;
     RETURN_IF(g_ort->CreateCustomOpDomain("ai.kvexport", &g_domain));
     RETURN_IF(g_ort->CustomOpDomain_Add(g_domain, &g_op));
-    RETURN_IF(g_ort->CustomOpDomain_Add(g_domain, kvx_attention_op(g_ort)));
+    RETURN_IF(g_ort->CustomOpDomain_Add(g_domain, kvx_attention_op(g_ort, 0)));
+    RETURN_IF(g_ort->CustomOpDomain_Add(g_domain, kvx_attention_op(g_ort, 1)));
   }
   return g_ort->AddCustomOpDomain(options, g_domain);
 }
