@@ -18,7 +18,8 @@ says, so one run can time the same peer with both caches; `FOLDER@precision=bf16
 into scheduler steps of that many tokens. A kvexport system written `ART@piece=4096` prefills in engine
 calls of that many tokens instead of the runtime's PREFILL_PIECE (before against after, in one run);
 an intel artifact written `ART@paged_min=100000` prefills every prompt in one stateful call, as before the
-paged prefill (the intel load option paged_prefill_min); a cpu artifact written `ART@huge_pages=false` keeps its
+paged prefill (the intel load option paged_prefill_min), and `ART@precision=fp32` runs it in fp32 where the CPU
+would take bf16 (the intel load option precision); a cpu artifact written `ART@huge_pages=false` keeps its
 repacked weights in small pages (the cpu load option huge_pages; where each engine's weights lie is printed), and
 `ART@native_attention=false` or `ART@native_matmul=false` runs ONNX Runtime's kernels in place of kvexport's own.
 
@@ -82,9 +83,9 @@ class KvexportRunner:
             session.PREFILL_PIECE = int(options["piece"])
         # paged_min: the intel target's long-prompt threshold, its load option paged_prefill_min
         load: dict[str, object] = {"paged_prefill_min": int(options["paged_min"])} if "paged_min" in options else {}
-        for key in ("huge_pages", "native_matmul", "native_attention"):  # the cpu target's load options of those
-            if key in options:  # names: the repacked weights in huge pages, kvexport's own kernels (or not)
-                load[key] = options[key]
+        for key in ("huge_pages", "native_matmul", "native_attention", "precision"):  # load options of those names:
+            if key in options:  # cpu: the repacked weights in huge pages, kvexport's own kernels (or not); intel:
+                load[key] = options[key]  # the precision it runs in
         self.engine = kvexport.load(str(path), threads=threads, **load)
         self.vocab = self.engine.vocab_size
         target = self.engine.manifest.target or {}
@@ -247,10 +248,12 @@ class Worker:
 
 
 SPEC_KEYS = {"openvino": ("kv", "batched_tokens", "precision"),
-             "kvexport": ("piece", "paged_min", "huge_pages", "native_matmul", "native_attention"), "ortgenai": ()}
+             "kvexport": ("piece", "paged_min", "huge_pages", "native_matmul", "native_attention", "precision"),
+             "ortgenai": ()}
 # the worded options; the others are positive integers
 CHOICES = {"kv": OV_KV, "precision": OV_PRECISION, **{k: ("true", "false") for k in
                                                       ("huge_pages", "native_matmul", "native_attention")}}
+KVEXPORT_CHOICES = {"precision": ("fp32", "bf16")}  # the intel target's load option
 
 
 def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
@@ -260,14 +263,15 @@ def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
     max_num_batched_tokens; unlimited where not given, as LLMPipeline's own latency default); a kvexport
     artifact takes piece=N (the prompt tokens one engine call takes, kvexport.runtime.session.PREFILL_PIECE), on
     the intel target paged_min=N (the shortest prompt prefilled through paged attention: the load option
-    paged_prefill_min), on the cpu target huge_pages, native_matmul and native_attention=true|false (its load
-    options)."""
+    paged_prefill_min) and precision=fp32|bf16 (the precision it runs in, its load option), on the cpu target
+    huge_pages, native_matmul and native_attention=true|false (its load options)."""
     folder, _, tail = text.partition("@")
     kind = kind_of(Path(folder))
     options = {"ov_kv": ov_kv}
     for item in filter(None, tail.split(",")):
         key, _, value = item.partition("=")
-        if key not in SPEC_KEYS[kind] or not (value in CHOICES[key] if key in CHOICES else value.isdigit() and int(value) > 0):
+        choices = (KVEXPORT_CHOICES if kind == "kvexport" else {}).get(key) or CHOICES.get(key)
+        if key not in SPEC_KEYS[kind] or not (value in choices if choices else value.isdigit() and int(value) > 0):
             sys.exit(f"error: {text!r}: a {kind} system takes {', '.join(f'{k}=' for k in SPEC_KEYS[kind]) or 'no'} "
                      f"options after its folder, not {item!r}")
         options["ov_kv" if key == "kv" else key] = value
