@@ -113,6 +113,23 @@ def _run(sess, feeds: dict[str, np.ndarray], caches: tuple[np.ndarray, np.ndarra
     return out[0].numpy(), (caches if in_place else (out[1].numpy(), out[2].numpy()))
 
 
+def _feeds(x: np.ndarray, held: np.ndarray, H: int, KV: int, D: int, *, packed: bool, rotary: bool,
+           bias: bool) -> dict[str, np.ndarray]:
+    """One step's inputs for new rows `x` (B, S, (H + 2 KV) D) after `held` rows per batch row: positions 5 past the
+    rows, and a bias that masks batch row 0's first three slots."""
+    B, S = x.shape[:2]
+    feeds = {"seqlens_k": (held + S - 1).astype(np.int32), "total": np.array(held.max() + S, np.int32)}
+    feeds.update({"q": x} if packed else {"q": x[..., :H * D].copy(), "k": x[..., H * D:(H + KV) * D].copy(),
+                                         "v": x[..., (H + KV) * D:].copy()})
+    if rotary:
+        feeds["position_ids"] = (held[:, None] + np.arange(S) + 5).astype(np.int64)
+    if bias:
+        mask = np.zeros((B, 1, S, held.max() + S), np.float32)
+        mask[0, 0, :, :min(3, held[0])] = np.finfo(np.float32).min
+        feeds["bias"] = mask
+    return feeds
+
+
 CASES = {  # (B, H, KV, D, C, packed, rotary, bias, per_channel, row lengths, new tokens per step)
     "bench-125m-shape": (1, 12, 4, 64, 1100, True, True, True, True, [1030], 1),
     "rows-apart": (2, 8, 2, 64, 700, False, False, False, True, [10, 600], 1),
@@ -153,15 +170,7 @@ def test_the_op_stores_onnxruntimes_bytes_and_attends_as_it_does(case: str, in_p
         v = ((rng.integers(-100, 100, (B, KV * D)) + 0.5) * scales["v_scale"]).astype(np.float32)
         x[:, 0, (H + KV) * D:] = v
         ties += int((np.round(v / scales["v_scale"]) != np.round(v * (np.float32(1) / scales["v_scale"]))).sum())
-        feeds = {"seqlens_k": (held + S - 1).astype(np.int32), "total": np.array(held.max() + S, np.int32)}
-        feeds.update({"q": x} if packed else {"q": x[..., :H * D].copy(), "k": x[..., H * D:(H + KV) * D].copy(),
-                                             "v": x[..., (H + KV) * D:].copy()})
-        if rotary:
-            feeds["position_ids"] = (held[:, None] + np.arange(S) + 5).astype(np.int64)
-        if bias:
-            mask = np.zeros((B, 1, S, held.max() + S), np.float32)
-            mask[0, 0, :, :min(3, held[0])] = np.finfo(np.float32).min  # row 0 attends past its first three slots
-            feeds["bias"] = mask
+        feeds = _feeds(x, held, H, KV, D, packed=packed, rotary=rotary, bias=bias)
         (want, (wk, wv)), (got, (gk, gv)) = (_run(s, feeds, c, in_place) for s, c in zip((theirs, ours), caches))
         for w, g in ((wk, gk), (wv, gv)):
             np.testing.assert_array_equal(g, w)
@@ -200,15 +209,7 @@ def test_the_fp32_cache_op_stores_and_attends_as_onnxruntime_does(case: str, in_
     held = np.array(lengths)
     for _ in range(3):
         x = (rng.standard_normal((B, S, (H + 2 * KV) * D)) * 2).astype(np.float32)
-        feeds = {"seqlens_k": (held + S - 1).astype(np.int32), "total": np.array(held.max() + S, np.int32)}
-        feeds.update({"q": x} if packed else {"q": x[..., :H * D].copy(), "k": x[..., H * D:(H + KV) * D].copy(),
-                                             "v": x[..., (H + KV) * D:].copy()})
-        if rotary:
-            feeds["position_ids"] = (held[:, None] + np.arange(S) + 5).astype(np.int64)
-        if bias:
-            mask = np.zeros((B, 1, S, held.max() + S), np.float32)
-            mask[0, 0, :, :min(3, held[0])] = np.finfo(np.float32).min
-            feeds["bias"] = mask
+        feeds = _feeds(x, held, H, KV, D, packed=packed, rotary=rotary, bias=bias)
         (want, (wk, wv)), (got, (gk, gv)) = (_run(s, feeds, c, in_place) for s, c in zip((theirs, ours), caches))
         for b in range(B):
             end = held[b] + S

@@ -145,20 +145,22 @@ __attribute__((target("avx512f"))) static inline void widen16(const int8_t *rows
     }
 }
 
-/* 16 cache rows from row r0 of a run of n as float (stride D), zeros past the run: a float cache's rows are read
- * where they lie but for the run's last block (copied, so that nothing past the buffer is read) */
+/* W rows of a float cache from row r0 of a run of n (stride D), zeros past the run: read where they lie but for the
+ * run's last block, copied into `wide` so that nothing past the buffer is read */
+static inline const float *float_rows(const float *cache, int64_t r0, int64_t n, int64_t D, int64_t W, float *wide) {
+  const float *rows = cache + r0 * D;
+  if (n - r0 >= W) return rows;
+  memcpy(wide, rows, (size_t)((n - r0) * D) * sizeof(float));
+  memset(wide + (n - r0) * D, 0, (size_t)((W - (n - r0)) * D) * sizeof(float));
+  return wide;
+}
+
+/* 16 cache rows from row r0 of a run of n as float (stride D), zeros past the run */
 __attribute__((target("avx512f"), always_inline)) static inline const float *rows16(const void *cache, int64_t r0,
                                                                                    int64_t n, int64_t NV, int F32,
                                                                                    float *wide) {
-  const int64_t D = NV * 16;
-  if (!F32) {
-    widen16((const int8_t *)cache + r0 * D, n - r0, NV, wide);
-    return wide;
-  }
-  const float *rows = (const float *)cache + r0 * D;
-  if (n - r0 >= 16) return rows;
-  memcpy(wide, rows, (size_t)((n - r0) * D) * sizeof(float));
-  memset(wide + (n - r0) * D, 0, (size_t)((16 - (n - r0)) * D) * sizeof(float));
+  if (F32) return float_rows((const float *)cache, r0, n, NV * 16, 16, wide);
+  widen16((const int8_t *)cache + r0 * NV * 16, n - r0, NV, wide);
   return wide;
 }
 
@@ -315,15 +317,8 @@ __attribute__((target("avx2,fma"))) static inline void widen8(const int8_t *rows
 /* 8 cache rows from row r0 of a run of n as float, as rows16 */
 __attribute__((target("avx2,fma"))) static inline const float *rows8(const void *cache, int64_t r0, int64_t n,
                                                                      int64_t NV, int f32, float *wide) {
-  const int64_t D = NV * 8;
-  if (!f32) {
-    widen8((const int8_t *)cache + r0 * D, n - r0, NV, wide);
-    return wide;
-  }
-  const float *rows = (const float *)cache + r0 * D;
-  if (n - r0 >= 8) return rows;
-  memcpy(wide, rows, (size_t)((n - r0) * D) * sizeof(float));
-  memset(wide + (n - r0) * D, 0, (size_t)((8 - (n - r0)) * D) * sizeof(float));
+  if (f32) return float_rows((const float *)cache, r0, n, NV * 8, 8, wide);
+  widen8((const int8_t *)cache + r0 * NV * 8, n - r0, NV, wide);
   return wide;
 }
 
