@@ -39,10 +39,10 @@ def _runs_here(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _model(B: int, H: int, KV: int, D: int, C: int, *, packed: bool, rotary: bool, bias: bool, per_channel: bool,
-           ours: bool, f32: bool = False) -> onnx.ModelProto:
+           ours: bool, f32: bool = False, isa: str = "") -> onnx.ModelProto:
     """One quantized GroupQueryAttention (ONNX Runtime's, or the same node as kvexport's op) over a (B, KV, C, D)
     int8 cache, scales as initializers; rotary tables of C + 8 positions. `f32`: the same over a float cache (no
-    scales), kvexport's op under its one-token If."""
+    scales), kvexport's op under its one-token If (on `isa` avx512 for prompts of one batch row too)."""
     rng = np.random.default_rng(1)
     cache = TensorProto.FLOAT if f32 else TensorProto.INT8
     inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [B, None, ((H + 2 * KV) if packed else H) * D])]
@@ -81,7 +81,7 @@ def _model(B: int, H: int, KV: int, D: int, C: int, *, packed: bool, rotary: boo
     model = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs, inits), ir_version=10,
                               opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("com.microsoft", 1)])
     if ours:
-        assert native.swap(model, "", attention=True) == (0, 1)
+        assert native.swap(model, "", attention=True, attention_isa=isa) == (0, 1)
     return model
 
 
@@ -137,6 +137,8 @@ CASES = {  # (B, H, KV, D, C, packed, rotary, bias, per_channel, row lengths, ne
     "head-32-per-tensor": (3, 6, 2, 32, 1100, True, False, True, False, [513, 1023, 5], 1),
     "group-8-head-80": (1, 16, 2, 80, 200, True, True, False, True, [77], 1),
     "several-new-tokens": (1, 4, 2, 64, 600, True, True, True, True, [530], 3),  # ONNX Runtime: batch 1 then
+    "prompt-after-rows": (1, 12, 4, 64, 700, True, True, True, True, [300], 100),
+    "prompt-group-5": (1, 10, 2, 64, 300, False, True, True, True, [40], 37),
 }
 
 
@@ -193,15 +195,18 @@ def test_the_op_stores_onnxruntimes_bytes_and_attends_as_it_does(case: str, in_p
 def test_the_fp32_cache_op_stores_and_attends_as_onnxruntime_does(case: str, in_place: bool, isa: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The same cases over a float cache: ONNX Runtime's GroupQueryAttention against the node under the swap's If
-    (kvexport's Fp32CacheAttention for one new token, ONNX Runtime's node for several), three steps each on its own
-    copy of one random cache: the rows stored equal exactly (the key rotated as MLAS rotates it), the rest of the
-    cache untouched, the outputs equal to float order, and exactly equal where several tokens take ONNX Runtime's
+    (kvexport's Fp32CacheAttention for one new token, and with AVX-512 at head size 64 for several new tokens of one
+    batch row, its tiled prompt kernel; ONNX Runtime's node otherwise), three steps each on its own copy of one
+    random cache: the rows stored equal exactly (the key rotated as MLAS rotates it), the rest of the cache
+    untouched, the outputs equal to float order, and exactly equal where several tokens take ONNX Runtime's
     branch."""
     _runs_here(isa, monkeypatch)
     B, H, KV, D, C, packed, rotary, bias, per_channel, lengths, S = CASES[case]
     flags = {"packed": packed, "rotary": rotary, "bias": bias, "per_channel": per_channel}
-    models = [_model(B, H, KV, D, C, ours=o, f32=True, **flags) for o in (False, True)]
-    assert [n.op_type for n in models[1].graph.node] == ["Shape", "Equal", "If"]
+    models = [_model(B, H, KV, D, C, ours=o, f32=True, isa=isa, **flags) for o in (False, True)]
+    prompts = isa == "avx512" and D == 64  # the tiled kernel takes prompts of one batch row
+    assert [n.op_type for n in models[1].graph.node] == (["Shape", "Shape", "ReduceMin", "Equal", "If"] if prompts
+                                                         else ["Shape", "Equal", "If"])
     theirs, ours = (_session(m) for m in models)
     rng = np.random.default_rng(2)
     start = rng.standard_normal((2, B, KV, C, D)).astype(np.float32)
@@ -218,7 +223,7 @@ def test_the_fp32_cache_op_stores_and_attends_as_onnxruntime_does(case: str, in_
                 assert (g[b, :, held[b]:end] != st[b, :, held[b]:end]).any()
                 np.testing.assert_array_equal(g[b, :, :held[b]], st[b, :, :held[b]])
                 np.testing.assert_array_equal(g[b, :, end:], st[b, :, end:] if in_place else 0)
-        if S == 1:
+        if S == 1 or (prompts and B == 1):
             np.testing.assert_allclose(got, want, atol=5e-5 * float(np.abs(want).max()))
         else:
             np.testing.assert_array_equal(got, want)
@@ -363,10 +368,11 @@ def test_an_int8_cache_engine_decodes_the_same_with_the_op(isa: str, int8_cache_
 @pytest.mark.parametrize("isa", ISAS)
 def test_an_fp32_cache_engine_decodes_the_same_with_the_op(isa: str, artifacts: dict[str, Path],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default fp32-cache artifact loaded with the op (one-token steps) and without: a batch of two rows at
-    different lengths fed the same tokens for 30 steps keeps the caches equal to float order and picks the same
-    greedy tokens, the prompt's rows (ONNX Runtime's branch) are equal exactly, and every step writes the bound
-    cache buffers in place (the If's outputs are the bound caches)."""
+    """The default fp32-cache artifact loaded with the op (one-token steps, and one row's prompts with AVX-512) and
+    without: a batch of two rows at different lengths fed the same tokens for 30 steps keeps the caches equal to
+    float order and picks the same greedy tokens, the two-row prompt's rows (ONNX Runtime's branch) are equal
+    exactly, every step writes the bound cache buffers in place (the If's outputs are the bound caches), and a
+    one-row prompt gives the same logits to float order."""
     import kvexport
 
     _runs_here(isa, monkeypatch)
@@ -391,6 +397,12 @@ def test_an_fp32_cache_engine_decodes_the_same_with_the_op(isa: str, artifacts: 
         tok = lb.argmax(-1)
         la, lb = ours.decode(a, tok), theirs.decode(b, tok)
     assert [c.ctypes.data for c in a.state.caches] == buffers
+    # one row's prompt: with AVX-512 the op's tiled prompt kernel takes it (ONNX Runtime's node otherwise)
+    a, b = ours.prefill([prompts[0]], 4), theirs.prefill([prompts[0]], 4)
+    np.testing.assert_allclose(a.logits, b.logits, atol=1e-4 * float(np.abs(b.logits).max()))
+    assert np.array_equal(a.logits.argmax(-1), b.logits.argmax(-1))
+    for x, y in zip(a.state.caches, b.state.caches):
+        np.testing.assert_allclose(x, y, atol=1e-4 * float(np.abs(y).max()))
 
 
 def test_doctor_says_which_cache_attention_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

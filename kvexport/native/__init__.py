@@ -10,9 +10,10 @@ attributes; the file is not changed (docs/backends/cpu.md):
   of 32 the two agree to summation order.
 - `ai.kvexport.Int8CacheAttention` (attention.c), on a CPU with AVX-512 or AVX2+FMA, for every `GroupQueryAttention`
   over an int8 cache (`--kv int8`) it takes: the same bytes stored, the attention in fp32 over them, in another order.
-- `ai.kvexport.Fp32CacheAttention` (the same kernel over a float cache), likewise, for every `GroupQueryAttention` of
-  an fp32-cache engine it takes, in the one-token step only: each such node goes under an If on "one new token",
-  ONNX Runtime's node in the other branch (prompts).
+- `ai.kvexport.Fp32CacheAttention` (the same kernel over a float cache, and a tiled one for prompts on AVX-512 at
+  head size 64), likewise, for every `GroupQueryAttention` of an fp32-cache engine it takes: each such node goes
+  under an If on "one new token" (or, where the tiled kernel runs, "one new token or one batch row"), ONNX
+  Runtime's node in the other branch.
 
 Every other node stays ONNX Runtime's.
 """
@@ -204,16 +205,22 @@ def takes_fp32_attention(node: Any, caches: set[str]) -> bool:
             and inputs[3] in caches and inputs[4] in caches)
 
 
-def _one_token_branch(graph: Any, node: Any) -> list[Any]:
-    """An If on "`node`'s query holds one token" whose then-branch is kvexport's fp32 attention op and whose else
-    branch is `node` (ONNX Runtime's, for prompts), each writing the If's outputs, which are `node`'s (the engine
-    binds the presents to the cache buffers, and the branch's kernel writes them in place)."""
+def _one_token_branch(graph: Any, node: Any, prompts: bool = False) -> list[Any]:
+    """An If on "`node`'s query holds one token" (with `prompts`: "... or one batch row", where the op's tiled prompt
+    kernel runs) whose then-branch is kvexport's fp32 attention op and whose else branch is `node` (ONNX Runtime's,
+    for the rest), each writing the If's outputs, which are `node`'s (the engine binds the presents to the cache
+    buffers, and the branch's kernel writes them in place)."""
     from onnx import TensorProto, helper
 
     scope = (node.name or node.output[0]) + "/one_token"
     graph.initializer.append(helper.make_tensor(f"{scope}/one", TensorProto.INT64, [1], [1]))
     tokens = helper.make_node("Shape", [node.input[0]], [f"{scope}/tokens"], start=1, end=2)
-    one = helper.make_node("Equal", [f"{scope}/tokens", f"{scope}/one"], [f"{scope}/cond"])
+    made = [tokens]
+    if prompts:
+        made += [helper.make_node("Shape", [node.input[0]], [f"{scope}/rows"], start=0, end=2),
+                 helper.make_node("ReduceMin", [f"{scope}/rows"], [f"{scope}/fewest"], keepdims=1)]
+        tokens = made[-1]
+    one = helper.make_node("Equal", [tokens.output[0], f"{scope}/one"], [f"{scope}/cond"])
     branches = []
     for form in ("one", "many"):
         n = type(node)()
@@ -227,7 +234,7 @@ def _one_token_branch(graph: Any, node: Any) -> list[Any]:
             helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in n.output]))
     branch = helper.make_node("If", [f"{scope}/cond"], list(node.output), name=f"{scope}/If",
                               then_branch=branches[0], else_branch=branches[1])
-    return [tokens, one, branch]
+    return [*made, one, branch]
 
 
 def _graphs(graph: Any) -> Any:
@@ -251,13 +258,22 @@ def _retype(node: Any, op: str, kept: tuple[str, ...], extra: list[Any]) -> None
     node.attribute.extend([*keep, *extra])
 
 
+def _head_size(graph: Any, name: str) -> int:
+    """The last dimension of `graph`'s input `name` where it is a number, else 0."""
+    for i in graph.input:
+        if i.name == name:
+            return int(i.type.tensor_type.shape.dim[-1].dim_value)
+    return 0
+
+
 def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BITS, huge_pages: bool = True,
-         attention: bool = False) -> tuple[int, int]:
+         attention: bool = False, attention_isa: str = "") -> tuple[int, int]:
     """Turn each MatMulNBits node of `widths` bits the matmul kernel takes on `isa` (none where `isa` is "") into
     ai.kvexport.QMatMul, and with `attention` each GroupQueryAttention over an int8 cache the attention op takes
     into ai.kvexport.Int8CacheAttention, in place, in every subgraph, and each one over the main graph's float
     caches that the fp32 op takes under an If that runs ai.kvexport.Fp32CacheAttention for one new token
-    (_one_token_branch); the numbers swapped (matmuls, attentions of either kind).
+    (_one_token_branch; on `attention_isa` avx512, at head size 64, also for a prompt of one batch row, which
+    its tiled kernel takes); the numbers swapped (matmuls, attentions of either kind).
     `huge_pages`: whether the matmul kernel asks for huge pages for its packed weights."""
     from onnx import helper
 
@@ -276,7 +292,8 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
         made = []
         for node in g.node:
             if takes_fp32_attention(node, caches):
-                made.extend(_one_token_branch(g, node))
+                prompts = attention_isa == "avx512" and _head_size(g, node.input[3]) == 64
+                made.extend(_one_token_branch(g, node, prompts))
                 m += 1
             else:
                 made.append(node)
@@ -298,7 +315,8 @@ def open_session(model_path: Path, options: Any, kern: Kernel, huge_pages: bool 
     import onnxruntime as ort
 
     model = onnx.load(str(model_path), load_external_data=False) if kern.usable or attn.usable else None
-    n, m = (swap(model, kern.isa if kern.usable else "", huge_pages=huge_pages, attention=attn.usable)
+    n, m = (swap(model, kern.isa if kern.usable else "", huge_pages=huge_pages, attention=attn.usable,
+                 attention_isa=attn.isa)
             if model is not None else (0, 0))
     if model is not None and float_caches(model.graph):
         attn = attn.for_fp32()

@@ -423,6 +423,169 @@ static void attend_task(void *data, size_t task) {
     attend_run_avx2(J, task);
 }
 
+/* ---------------------------------------------------------------- many new tokens over a float cache (AVX-512) */
+
+/* A prompt's queries against a float cache, head size 64: each task holds up to 24 query rows (tokens x the query
+ * heads of one KV head) in registers and walks the keys in steps of 64 with a running softmax (the max, the sum and
+ * the weighted values rescaled as the max grows). Keys are read from a transposed copy made per call (16 keys by 64
+ * channels a block), so that a score is a broadcast query channel times 16 keys, no horizontal sums. */
+#define PT_ROWS 24
+#define PT_KEYS 64
+
+typedef struct {
+  int64_t B, S, H, KV, G, max_seq, tok, tiles, blocks;
+  const float *kc, *vc; /* (B, KV, max_seq, 64) */
+  float *kt;            /* (B, KV, blocks, 64, 16) */
+  const float *q;       /* (B, S, H, 64): rotated, times the softmax scale */
+  const int64_t *last;  /* (B, S) */
+  const float *bias;
+  int64_t bb, bh, bs;
+  float *out; /* (B, S, H, 64) */
+} PJob;
+
+#define PT_TRANSPOSE_BLOCKS 16 /* 16-key blocks a transposing task takes */
+
+static void transpose_task(void *data, size_t task) {
+  const PJob *J = (const PJob *)data;
+  const int64_t per = (J->blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS;
+  const int64_t bk = (int64_t)task / per, b0 = ((int64_t)task % per) * PT_TRANSPOSE_BLOCKS;
+  const int64_t b1 = b0 + PT_TRANSPOSE_BLOCKS < J->blocks ? b0 + PT_TRANSPOSE_BLOCKS : J->blocks;
+  const float *K = J->kc + bk * J->max_seq * 64;
+  for (int64_t blk = b0; blk < b1; blk++) {
+    float *to = J->kt + (bk * J->blocks + blk) * 64 * 16;
+    for (int64_t j = 0; j < 16; j++) {
+      const int64_t row = blk * 16 + j;
+      if (row < J->max_seq)
+        for (int64_t d = 0; d < 64; d++) to[d * 16 + j] = K[row * 64 + d];
+      else
+        for (int64_t d = 0; d < 64; d++) to[d * 16 + j] = 0.f;
+    }
+  }
+}
+
+/* One group of up to PT_ROWS query rows: its queries, running softmax and weighted values. */
+typedef struct {
+  float Q[PT_ROWS * 64] __attribute__((aligned(64)));
+  float O[PT_ROWS * 64] __attribute__((aligned(64)));
+  float m[PT_ROWS], l[PT_ROWS];
+  int64_t last[PT_ROWS], s0, nr;
+} PGroup;
+
+/* keys k0 .. k0 + nk - 1 (nk <= PT_KEYS) for one group */
+__attribute__((target("avx512f,fma"))) static void prompt_step(const PJob *J, PGroup *R, const float *KT,
+                                                               const float *V, int64_t b, int64_t kvh, int64_t k0,
+                                                               int64_t nk, float *P) {
+  const int64_t G = J->G, nb = (nk + 15) / 16;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  /* scores of every row against 16 keys at a time */
+  for (int64_t sb = 0; sb < nb; sb++) {
+    const float *kt = KT + (k0 / 16 + sb) * 64 * 16;
+    __m512 acc[PT_ROWS];
+#pragma GCC unroll 24
+    for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int d = 0; d < 64; d++) {
+      const __m512 kv = _mm512_load_ps(kt + d * 16);
+#pragma GCC unroll 24
+      for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(R->Q[r * 64 + d]), kv, acc[r]);
+    }
+#pragma GCC unroll 24
+    for (int r = 0; r < PT_ROWS; r++) _mm512_store_ps(P + r * PT_KEYS + sb * 16, acc[r]);
+  }
+  /* each row's running softmax: masked and biased scores, the new max, the rescale, the weights */
+  for (int64_t r = 0; r < PT_ROWS; r++) {
+    float *x = P + r * PT_KEYS;
+    if (r >= R->nr || R->last[r] < k0) {
+      memset(x, 0, PT_KEYS * sizeof(float));
+      continue;
+    }
+    const int64_t i = r / G, g = r % G;
+    const float *bias = J->bias == NULL ? NULL
+                        : J->bias + b * J->bb + (kvh * G + g) * J->bh + (R->s0 + i) * J->bs + k0;
+    __mmask16 valid[PT_KEYS / 16];
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(k0 + sb * 16)));
+      valid[sb] = sb < nb ? _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)R->last[r])) : 0;
+      __m512 v = _mm512_load_ps(x + sb * 16);
+      if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(valid[sb], bias + sb * 16));
+      v = _mm512_mask_blend_ps(valid[sb], _mm512_set1_ps(-INFINITY), v);
+      _mm512_store_ps(x + sb * 16, v);
+      mx = _mm512_max_ps(mx, v);
+    }
+    const float top = _mm512_reduce_max_ps(mx);
+    if (top == -INFINITY) { /* every key of this step masked for this row */
+      memset(x, 0, PT_KEYS * sizeof(float));
+      continue;
+    }
+    const float mnew = top > R->m[r] ? top : R->m[r], alpha = R->m[r] == -INFINITY ? 0.f : expf(R->m[r] - mnew);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
+      const __m512 e = _mm512_maskz_mov_ps(valid[sb], exp16(_mm512_sub_ps(_mm512_load_ps(x + sb * 16),
+                                                                          _mm512_set1_ps(mnew))));
+      _mm512_store_ps(x + sb * 16, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    R->l[r] = R->l[r] * alpha + _mm512_reduce_add_ps(sum);
+    R->m[r] = mnew;
+    if (alpha != 1.f)
+      for (int c = 0; c < 4; c++)
+        _mm512_store_ps(R->O + r * 64 + c * 16, _mm512_mul_ps(_mm512_load_ps(R->O + r * 64 + c * 16), _mm512_set1_ps(alpha)));
+  }
+  /* the weighted values, 16 channels at a time */
+  for (int c = 0; c < 4; c++) {
+    __m512 acc[PT_ROWS];
+#pragma GCC unroll 24
+    for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_load_ps(R->O + r * 64 + c * 16);
+    for (int64_t j = 0; j < nk; j++) {
+      const __m512 v = _mm512_loadu_ps(V + (k0 + j) * 64 + c * 16);
+#pragma GCC unroll 24
+      for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(P[r * PT_KEYS + j]), v, acc[r]);
+    }
+#pragma GCC unroll 24
+    for (int r = 0; r < PT_ROWS; r++) _mm512_store_ps(R->O + r * 64 + c * 16, acc[r]);
+  }
+}
+
+#define PT_GROUPS 4 /* row groups a task takes, each 64-key step read once for all of them */
+
+__attribute__((target("avx512f,fma"))) static void prompt_task(void *data, size_t task) {
+  const PJob *J = (const PJob *)data;
+  const int64_t G = J->G, b = (int64_t)task / (J->KV * J->tiles), kvh = ((int64_t)task / J->tiles) % J->KV;
+  const int64_t first = ((int64_t)task % J->tiles) * J->tok * PT_GROUPS; /* the task's first token */
+  PGroup R[PT_GROUPS];
+  float P[PT_ROWS * PT_KEYS] __attribute__((aligned(64)));
+  int64_t maxlast = -1, groups = 0;
+  for (int64_t q = 0; q < PT_GROUPS && first + q * J->tok < J->S; q++, groups++) {
+    PGroup *g_ = &R[q];
+    g_->s0 = first + q * J->tok;
+    const int64_t ntok = J->S - g_->s0 < J->tok ? J->S - g_->s0 : J->tok;
+    g_->nr = ntok * G;
+    memset(g_->Q, 0, sizeof(g_->Q));
+    memset(g_->O, 0, sizeof(g_->O));
+    for (int64_t r = 0; r < PT_ROWS; r++) {
+      g_->m[r] = -INFINITY, g_->l[r] = 0.f, g_->last[r] = -1;
+      if (r >= g_->nr) continue;
+      const int64_t i = r / G, g = r % G;
+      memcpy(g_->Q + r * 64, J->q + ((b * J->S + g_->s0 + i) * J->H + kvh * G + g) * 64, 64 * sizeof(float));
+      g_->last[r] = J->last[b * J->S + g_->s0 + i];
+      maxlast = g_->last[r] > maxlast ? g_->last[r] : maxlast;
+    }
+  }
+  const float *KT = J->kt + (b * J->KV + kvh) * J->blocks * 64 * 16;
+  const float *V = J->vc + (b * J->KV + kvh) * J->max_seq * 64;
+  for (int64_t k0 = 0; k0 <= maxlast; k0 += PT_KEYS) {
+    const int64_t nk = maxlast + 1 - k0 < PT_KEYS ? maxlast + 1 - k0 : PT_KEYS;
+    for (int64_t q = 0; q < groups; q++) prompt_step(J, &R[q], KT, V, b, kvh, k0, nk, P);
+  }
+  for (int64_t q = 0; q < groups; q++)
+    for (int64_t r = 0; r < R[q].nr; r++) {
+      const int64_t i = r / G, g = r % G;
+      float *o = J->out + ((b * J->S + R[q].s0 + i) * J->H + kvh * G + g) * 64;
+      const float inv = R[q].l[r] > 0.f ? 1.f / R[q].l[r] : 0.f;
+      for (int d = 0; d < 64; d++) o[d] = R[q].O[r * 64 + d] * inv;
+    }
+}
+
 /* ---------------------------------------------------------------- ONNX Runtime glue */
 
 /* KVEXPORT_ATTENTION_ISA=avx2 takes the AVX2 kernel on a CPU that has AVX-512 too (the tests run both where
@@ -600,7 +763,8 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   int64_t rows_held = 1;
   for (int64_t b = 0; b < B; b++) rows_held = seqlens[b] + 1 > rows_held ? seqlens[b] + 1 : rows_held;
   rows_held = rows_held < max_seq ? rows_held : max_seq;
-  const int64_t runs = (rows_held + RUN - 1) / RUN, tasks = B * S * KV * runs;
+  const int prompt = k->f32 && k->isa == 2 && D == 64 && S > 1; /* the tiled prompt kernel takes it */
+  const int64_t runs = (rows_held + RUN - 1) / RUN, tasks = prompt ? 0 : B * S * KV * runs;
   const size_t floats = (size_t)(2 * KV * D + B * S * H * D + 2 * D + tasks * G * (D + 2));
   int64_t *last = (int64_t *)malloc((size_t)(B * S) * sizeof(int64_t) + floats * sizeof(float));
   if (last == NULL) return g_ort->CreateStatus(ORT_FAIL, "CacheAttention: out of memory");
@@ -652,6 +816,20 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         }
       }
     }
+  }
+  if (st == NULL && prompt) {
+    const int64_t tok = PT_ROWS / G, blocks = (rows_held + 15) / 16;
+    float *kt = (float *)aligned_alloc(64, (size_t)(B * KV * blocks * 64 * 16) * sizeof(float));
+    if (kt == NULL) st = g_ort->CreateStatus(ORT_FAIL, "CacheAttention: out of memory");
+    PJob P = {B, S, H, KV, G, max_seq, tok, (S + tok * PT_GROUPS - 1) / (tok * PT_GROUPS), blocks, (const float *)kc, (const float *)vc, kt,
+              qs, last, bias, bb, bh, bsd, (float *)outp};
+    if (st == NULL)
+      st = g_ort->KernelContext_ParallelFor(
+          ctx, transpose_task, (size_t)(B * KV * ((blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS)), 0, &P);
+    if (st == NULL) st = g_ort->KernelContext_ParallelFor(ctx, prompt_task, (size_t)(B * KV * P.tiles), 0, &P);
+    free(kt);
+    free(last);
+    return st;
   }
   if (st == NULL) {
     AJob J = {B, S, H, KV, G, D, max_seq, runs, kc, vc, qs, last, bias, bb, bh, bsd, part, k->isa, k->f32};
