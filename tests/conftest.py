@@ -104,6 +104,29 @@ def references(checkpoints: dict[str, Path]) -> dict[str, HFReference]:
     return _Lazy()  # type: ignore[return-value]
 
 
+def native_built() -> None:
+    """Skip where kvexport's native library was not built at install; fail instead under KVEXPORT_REQUIRE_NATIVE
+    (CI builds it and sets that)."""
+    from kvexport import native
+
+    if not native.LIBRARY.is_file():
+        if os.environ.get(native.REQUIRE_ENV):
+            pytest.fail(f"{native.LIBRARY} was not built and {native.REQUIRE_ENV} is set")
+        pytest.skip("the native library was not built at install (no ONNX Runtime headers): see setup.py")
+
+
+def native_isa(isa: str, have: bool, env: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a native op's `isa` kernel: skip where the library is absent (native_built) or the CPU lacks `isa`
+    (`have`); `env` (the op's ISA variable) set to avx2 takes the AVX2 kernel on a CPU that has the wider one too."""
+    native_built()
+    if not have:
+        pytest.skip(f"this CPU lacks {isa}")
+    if isa == "avx2":
+        monkeypatch.setenv(env, "avx2")
+    else:
+        monkeypatch.delenv(env, raising=False)
+
+
 def random_ids(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 259, n)]
 

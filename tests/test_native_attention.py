@@ -9,7 +9,6 @@ elsewhere. CI (.ci/run) builds the library and sets KVEXPORT_REQUIRE_NATIVE, so 
 tests instead of skipping them."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kvexport import native
 from kvexport.doctor import read_cpu_flags
+from tests.conftest import native_isa
 
 FLAGS = read_cpu_flags()
 HAVE = {"avx512": native.attention_isa_of(FLAGS) == "avx512", "avx2": bool(native.attention_isa_of(FLAGS))}
@@ -26,16 +26,7 @@ ISAS = ["avx512", "avx2"]
 
 
 def _runs_here(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not native.LIBRARY.is_file():
-        if os.environ.get(native.REQUIRE_ENV):
-            pytest.fail(f"{native.LIBRARY} was not built and {native.REQUIRE_ENV} is set")
-        pytest.skip("the native library was not built at install (no ONNX Runtime headers): see setup.py")
-    if not HAVE[isa]:
-        pytest.skip(f"this CPU lacks {isa}")
-    if isa == "avx2":
-        monkeypatch.setenv(native.ATTENTION_ISA_ENV, "avx2")
-    else:
-        monkeypatch.delenv(native.ATTENTION_ISA_ENV, raising=False)
+    native_isa(isa, HAVE[isa], native.ATTENTION_ISA_ENV, monkeypatch)
 
 
 def _model(B: int, H: int, KV: int, D: int, C: int, *, packed: bool, rotary: bool, bias: bool, per_channel: bool,

@@ -7,7 +7,6 @@ elsewhere. CI (.ci/run) builds the library and sets KVEXPORT_REQUIRE_NATIVE, so 
 these tests instead of skipping them."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,26 +14,14 @@ import pytest
 
 from kvexport import native
 from kvexport.doctor import read_cpu_flags
+from tests.conftest import native_built, native_isa
 
 FLAGS = read_cpu_flags()
 HAVE = {"avx512-vnni": native.isa_of(FLAGS) == "avx512-vnni", "avx2": bool(native.isa_of(FLAGS))}
 
 
-def _built() -> None:
-    if not native.LIBRARY.is_file():
-        if os.environ.get(native.REQUIRE_ENV):
-            pytest.fail(f"{native.LIBRARY} was not built and {native.REQUIRE_ENV} is set")
-        pytest.skip("the native library was not built at install (no ONNX Runtime headers): see setup.py")
-
-
 def _isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _built()
-    if not HAVE[isa]:
-        pytest.skip(f"this CPU lacks {isa}")
-    if isa == "avx2":
-        monkeypatch.setenv(native.ISA_ENV, "avx2")
-    else:
-        monkeypatch.delenv(native.ISA_ENV, raising=False)
+    native_isa(isa, HAVE[isa], native.ISA_ENV, monkeypatch)
 
 
 def _graph(op: str, domain: str, k: int, n: int, block: int, b: np.ndarray, s: np.ndarray, bits: int = 4,
@@ -95,7 +82,7 @@ def test_the_op_computes_what_matmulnbits_computes_from_the_same_bytes(isa: str,
 
 
 def test_the_op_refuses_what_it_does_not_compute(monkeypatch: pytest.MonkeyPatch) -> None:
-    _built()
+    native_built()
     if not HAVE["avx2"]:
         pytest.skip("this CPU runs neither kernel")
     rng = np.random.default_rng(0)
