@@ -75,7 +75,7 @@ def test_paged_prefill_equals_one_stateful_call(intel_artifacts: dict) -> None:
 def test_paged_lossy_cache_is_close_to_the_stateful_one(intel_artifacts: dict, kv: str, dtype: type,
                                                         row: str) -> None:
     """The blocks are in the cache's own type (the f32 engine's logits move) and paged attention's own kernels and
-    u8 scheme (keys per channel) do not reproduce the stateful path's logits; both stay within the cache's row of
+    u8 blocks do not reproduce the stateful path's logits; both stay within the cache's row of
     the f32 engine and of each other."""
     _, art = intel_artifacts["llama"]
     engine = load(art, kv_precision=kv)
@@ -103,10 +103,10 @@ def test_paged_u8_cache_continues(intel_artifacts: dict) -> None:
     assert b.state.rows is not None
     f32_bytes = engine.session.state_bytes(b.state)
     assert f32_bytes == stateful_bytes(load(art), ids[:-1])
-    # per slot and head: a key's head_dim bytes plus its block's f32 scale and zero point per channel over 32
-    # slots, a value's head_dim bytes plus its own f32 scale and zero point
+    # per slot and head: a key's and a value's head_dim bytes, each with its own f32 scale and zero point
+    # (KEY_CACHE_QUANT_MODE=BY_TOKEN; keys per channel over 32-slot blocks would add 8 * d // 32 instead of 8)
     d = engine.session.head_dim
-    per_slot = d + 8 * d // 32 + d + 8
+    per_slot = 2 * (d + 8)
     assert engine.session.cache_bytes(b.state) == PROMPT * engine.session.num_layers * engine.session.kv_heads * per_slot
     assert engine.session.cache_bytes_copied(b.state) == 0
     stepped = engine.decode(b, np.array([ids[-1]]))[0].copy()
