@@ -371,6 +371,42 @@ def bench_engine(engine: Engine, prompt_len: int, new_tokens: int) -> dict[str, 
     return result
 
 
+def paired_steps(timed: list[tuple[str, Engine]], prompt_len: int, steps: int) -> dict[str, list[float]]:
+    """Every engine prefills the same prompt and holds it; then each decodes `steps` greedy tokens (its own argmax),
+    one step of each engine after another, every other step in reverse order. A step and its pair run milliseconds
+    apart, so the host's drift over seconds, which moves whole runs (one engine's round against another's), moves
+    both alike. Returns each engine's step times in seconds, in order."""
+    ids = _prompt(prompt_len, timed[0][1].vocab_size)
+    for _, e in timed:
+        e.check_fits(prompt_len, steps + 1)  # every engine before any holds a cache
+    batches: dict[str, Any] = {}
+    times: dict[str, list[float]] = {key: [] for key, _ in timed}
+    try:
+        tokens = {}
+        for key, e in timed:
+            batches[key] = e.prefill(ids, steps + 1, copy=False)
+            tokens[key] = batches[key].logits.argmax(-1)
+        for s in range(steps):
+            for key, e in timed if s % 2 == 0 else timed[::-1]:
+                t0 = time.perf_counter()
+                logits = e.decode(batches[key], tokens[key], copy=False)
+                times[key].append(time.perf_counter() - t0)
+                tokens[key] = logits.argmax(-1)
+    finally:
+        for key, e in timed:
+            if key in batches:
+                e.session.release(batches[key].state)
+    return times
+
+
+def step_pair_figures(main: list[float], other: list[float]) -> dict[str, Any]:
+    """The other engine's speed over the main one's, step by step (main's step time over the other's)."""
+    ratio = np.asarray(main) / np.asarray(other)
+    q25, q50, q75 = (float(x) for x in np.quantile(ratio, [0.25, 0.5, 0.75]))
+    return {"steps": int(ratio.size), "median": q50, "quartiles": [q25, q75],
+            "step_ms": float(np.median(other)) * 1e3, "main_step_ms": float(np.median(main)) * 1e3}
+
+
 class HFBaseline:
     """transformers eager, greedy, with or without its KV cache; the model is loaded once."""
 
@@ -430,11 +466,13 @@ def check_prompts_fit(prompt_lens: tuple[int, ...], new_tokens: int, max_seq: in
 def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int, ...] = (32, 512),
               new_tokens: int = 64, threads: int = 2, others: list[tuple[str, Engine]] | None = None,
               baselines: bool = True, floor: bool = True, rounds: int = 3, engine_load_rss_mb: float | None = None,
-              progress: Progress | None = None, prepared: Floors | None = None) -> dict[str, Any]:
+              progress: Progress | None = None, prepared: Floors | None = None,
+              step_pairs: bool = False) -> dict[str, Any]:
     """Engine, other engines and the transformers baseline are timed back to back in each round,
     so a burst of load from elsewhere hits all of them; each keeps its best round. `prepared`: the engines'
     floors, each made just after its engine loaded (`Floors`, keys "engine" and other_key(label)); made here
-    otherwise."""
+    otherwise. `step_pairs`: after the rounds, each prompt's decode is also timed step against step
+    (paired_steps), `rounds` times new_tokens - 1 pairs, for every other engine against the main one."""
     say = progress or (lambda _m: None)
     check_prompts_fit(prompt_lens, new_tokens, engine.max_seq)
     cfg = engine.config
@@ -523,6 +561,14 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
             o["ttft_ratio_vs_main"] = o["ttft_s"] / e["ttft_s"]
             if key in floor_of:  # how much of what its floor gains over the main one's the engine keeps
                 o["floor_ratio_vs_main"] = floor_rates[floor_of[key]] / floor_rates[floor_of["engine"]]
+        if step_pairs and len(timed) > 1:
+            stepped: dict[str, list[float]] = {key: [] for key, _ in timed}
+            for r in range(rounds):
+                say(f"prompt {p}: decode steps paired one by one, pass {r + 1}/{rounds}")
+                for key, t in paired_steps(timed if r % 2 == 0 else timed[::-1], p, new_tokens - 1).items():
+                    stepped[key] += t
+            for key, _ in timed[1:]:
+                row[key]["step_pairs"] = step_pair_figures(stepped["engine"], stepped[key])
         if hf is not None:
             say(f"prompt {p}: transformers eager without cache")
             row["hf_nocache"] = hf.run(p, new_tokens, False)
@@ -625,6 +671,11 @@ def format_report(r: dict[str, Any]) -> str:
                 lines.append(f"      decode {v['decode_tok_s']:.1f} tok/s = {v['decode_ratio_vs_main']:.3f}x the main engine "
                              f"(per round {rounds}, median {v['decode_ratio_vs_main_median_round']:.3f}x), "
                              f"ttft {v['ttft_s'] * 1e3:.1f} ms = {v['ttft_ratio_vs_main']:.2f}x, {_kv(v)}")
+                if "step_pairs" in v:
+                    sp = v["step_pairs"]
+                    lines.append(f"      steps paired one by one: {sp['median']:.3f}x the main engine's speed (median of "
+                                 f"{sp['steps']} paired steps, quartiles {sp['quartiles'][0]:.3f}-{sp['quartiles'][1]:.3f}x); "
+                                 f"median step {sp['step_ms']:.2f} ms against {sp['main_step_ms']:.2f} ms")
                 if "fraction_of_own_floor" in v:
                     lines.append(f"      reaches {v['fraction_of_own_floor'] * 100:.0f}% of its {v['floor']} floor best over "
                                  f"best, {_of_floor_rounds(v)}; its floor is "

@@ -378,6 +378,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
                          f"got {a.new_tokens}")
     if a.reference is not None and not Path(a.reference).is_dir():
         raise InputError(f"--reference {a.reference} is not a checkpoint folder")
+    if a.step_pairs and not (a.compare or a.variant):
+        raise InputError("--step-pairs times other engines' decode steps against the main one's: give --compare "
+                         "ARTIFACT or --variant KEY=VALUE")
     from kvexport.bench import (Floors, check_comparable, check_prompts_fit, format_report, other_key, parse_prompt_lens,
                                 rss_mb, run_bench)
 
@@ -403,7 +406,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     r = run_bench(engine, reference=Path(a.reference) if a.reference else None, prompt_lens=prompts,
                   new_tokens=a.new_tokens, threads=a.threads, others=others, baselines=not a.no_baselines,
                   floor=not a.no_floor, rounds=a.rounds, engine_load_rss_mb=engine_load_rss,
-                  progress=progress, prepared=floors)
+                  progress=progress, prepared=floors, step_pairs=a.step_pairs)
     print(json.dumps(r, indent=2) if a.json else format_report(r))
     return 0
 
@@ -627,6 +630,10 @@ def parser() -> argparse.ArgumentParser:
                    help="fail instead of rebuilding when the engine was built for another device or SDK")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="load option of the main artifact (and its --variant runs), not of --compare ones")
+    s.add_argument("--step-pairs", action="store_true",
+                   help="also time decode step against step: every engine holds the prompt, then they decode one "
+                        "step each in turn, and each --compare/--variant engine gets the median of its paired step "
+                        "ratios (a pair runs milliseconds apart, so the host's drift moves both alike)")
     s.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
     s.add_argument("--no-floor", action="store_true",
                    help="skip the GEMV floors (each engine's weight matrices alone, as bare ONNX Runtime MatMul or "

@@ -10,8 +10,9 @@ from safetensors.numpy import load_file
 
 from kvexport.architectures import get_arch, map_config
 from kvexport.bench import (QMATMUL_TAG, Floors, Gemv, GemvFloor, check_comparable, engine_gemvs, floor_label,
-                            format_report, fp32_gemvs, linear_shapes, nominal_gemvs, onnx_gemvs, parse_prompt_lens, placement_differs, run_bench)
-from kvexport.errors import InputError
+                            format_report, fp32_gemvs, linear_shapes, nominal_gemvs, onnx_gemvs, paired_steps, parse_prompt_lens,
+                            placement_differs, run_bench, step_pair_figures)
+from kvexport.errors import ContextOverflowError, InputError
 from kvexport.runtime.hugepages import Placement
 from kvexport.zoo import NAMED_MODELS, TINY_CONFIGS, write_checkpoint
 
@@ -117,6 +118,76 @@ def test_compared_engines_get_per_round_ratios_and_each_its_own_floor(artifacts:
     assert o["ttft_ratio_vs_main"] == pytest.approx(o["ttft_s"] / e["ttft_s"])
     text = format_report(r)
     assert "of its fp32 floor" in text and "median" in text and "paired rounds" in text
+
+
+def test_paired_steps_alternate_engines_step_by_step_on_their_own_greedy_tokens(artifacts: dict[str, Path]) -> None:
+    """One step of each engine after another (every other step reversed), each fed its own argmax, every cache
+    released after; the tokens are the ones a plain greedy generation gives."""
+    import kvexport
+
+    a, b = (kvexport.load(str(artifacts["llama"]), threads=1) for _ in range(2))
+    log: list[tuple[str, int]] = []
+    for name, e in (("a", a), ("b", b)):
+        decode = e.decode
+
+        def logged(batch: object, tokens: np.ndarray, *, copy: bool = True, _n: str = name,
+                   _d: object = decode) -> np.ndarray:
+            log.append((_n, int(tokens[0])))
+            return _d(batch, tokens, copy=copy)  # type: ignore[operator]
+
+        e.decode = logged  # type: ignore[method-assign]
+    released: list[object] = []
+    release = a.session.release
+    a.session.release = lambda state: (released.append(state), release(state))  # type: ignore[method-assign]
+    times = paired_steps([("a", a), ("b", b)], 8, 4)
+    assert [n for n, _ in log] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4} and min(times["a"] + times["b"]) > 0
+    assert len(released) == 1
+    from kvexport.bench import _prompt
+
+    ids = _prompt(8, a.vocab_size)
+    fed = [t for n, t in log if n == "a"]
+    batch = b.prefill(ids, 5)
+    tok = batch.logits.argmax(-1)
+    expect = []
+    for _ in range(4):
+        expect.append(int(tok[0]))
+        tok = b.decode(batch, tok).argmax(-1)
+    b.session.release(batch.state)
+    assert fed == expect  # each step's input is the engine's own previous greedy token
+    with pytest.raises(ContextOverflowError, match="max_seq"):  # refused before any engine holds a cache
+        paired_steps([("a", a), ("b", b)], a.max_seq, 4)
+    assert len(released) == 1
+
+
+def test_step_pair_figures_are_the_other_engines_speed_over_the_main_ones() -> None:
+    f = step_pair_figures([0.02, 0.02, 0.03, 0.01], [0.01, 0.02, 0.02, 0.02])
+    assert f["steps"] == 4
+    assert f["median"] == pytest.approx(float(np.median([2.0, 1.0, 1.5, 0.5])))
+    assert f["quartiles"][0] <= f["median"] <= f["quartiles"][1]
+    assert f["step_ms"] == pytest.approx(20.0) and f["main_step_ms"] == pytest.approx(20.0)
+
+
+def test_step_pairs_in_a_bench_run_and_its_report(artifacts: dict[str, Path]) -> None:
+    import kvexport
+
+    main = kvexport.load(str(artifacts["llama"]), threads=1)
+    other = kvexport.load(str(artifacts["llama"]), threads=1)
+    r = run_bench(main, reference=None, prompt_lens=(8,), new_tokens=6, threads=1, others=[("again", other)],
+                  baselines=False, floor=False, rounds=2, step_pairs=True)
+    sp = r["prompts"]["8"]["other:again"]["step_pairs"]
+    assert sp["steps"] == 2 * 5 and sp["quartiles"][0] <= sp["median"] <= sp["quartiles"][1]
+    assert "step_pairs" not in r["prompts"]["8"]["engine"]
+    assert "median of 10 paired steps" in format_report(r)
+
+
+def test_step_pairs_without_another_engine_are_refused(artifacts: dict[str, Path],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from kvexport import cli
+
+    assert cli.main(["bench", str(artifacts["llama"]), "--step-pairs", "--no-baselines", "-q"]) == InputError.exit_code
+    err = capsys.readouterr().err
+    assert "--step-pairs" in err and "give --compare" in err
 
 
 def test_each_run_is_held_to_the_floor_timed_just_before_it(artifacts: dict[str, Path],
