@@ -327,10 +327,17 @@ def check_comparable(main: Path, others: list[Path]) -> None:
 
 
 def mode_of(engine: Engine) -> str:
-    """The artifact's precision key (`fp32`, `int8`, `int4-g32+kv-int8`, ...) from its manifest target."""
+    """The engine's precision key (`fp32`, `int8`, `int4-g32+kv-int8`, ...) from its manifest target, with the cache
+    it holds as loaded where the backend says (intel's `kv_precision` load option, or an f32 cache loaded at f32
+    activations from an artifact built at bf16, holds another cache than the one recorded)."""
+    from kvexport.precision import canonical
     from kvexport.tolerances import precision_key
 
-    return precision_key(engine.manifest.target or {})
+    target = dict(engine.manifest.target or {})
+    held = engine.session.describe().get("kv_precision")
+    if held:
+        target["kv"] = {**(target.get("kv") or {}), "dtype": canonical(str(held))}
+    return precision_key(target)
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:

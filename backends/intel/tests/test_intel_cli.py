@@ -109,3 +109,14 @@ def test_ipex_path_says_plainly_why_it_cannot_run(monkeypatch: pytest.MonkeyPatc
         pytest.skip("torch 2.8 matches IPEX's pin here")
     with pytest.raises(BackendUnavailableError, match="built for torch 2.8"):
         require_ipex()
+
+
+def test_bench_labels_the_cache_an_engine_holds_as_loaded(intel_artifacts: dict) -> None:
+    """`kvexport bench --variant kv_precision=u8` times a u8 cache: its label says so, not the artifact's record."""
+    from kvexport import load
+    from kvexport.bench import mode_of
+
+    _, art = intel_artifacts["llama"]
+    built = mode_of(load(art))
+    assert "kv-int8" not in built
+    assert mode_of(load(art, kv_precision="u8")) == built.split("+kv-")[0] + "+kv-int8"
