@@ -155,13 +155,13 @@ def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: i
                            progress=progress)
     (folder / VERIFY_FILE).write_text(report.to_json())
     manifest = engine.manifest
-    s, t, lt = report.summary, report.text, report.long_text
+    s, t, lt = report.summary, report.text, report.other_text
     text_keys = ("source", "positions", "top1_agreement", "mean_kl", "max_kl", "ppl_change")
     manifest.raw["verification"] = {
         "file": VERIFY_FILE, "passed": report.passed, "reference": report.reference, "mode": report.mode,
         **{k: s[k] for k in ("max_abs_logit", "greedy_agreement", "mean_kl")},
         "text": {k: t[k] for k in text_keys},
-        **({"long_prompt_text": {"path": lt["path"], **{k: lt[k] for k in text_keys}}} if lt else {}),
+        **({"other_path_text": {"path": lt["path"], **{k: lt[k] for k in text_keys}}} if lt else {}),
     }
     finish(folder, manifest)
     if progress:
@@ -171,7 +171,7 @@ def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: i
 
         progress(f"verify ({report.mode}): greedy max |dlogit| {s['max_abs_logit']:.2e}, agreement "
                  f"{s['greedy_agreement']:.3f}; {t['source']} {row(t)}"
-                 + (f"; long-prompt path ({lt['path']}) {row(lt)}" if lt else "")
+                 + (f"; other prompt path ({lt['path']}) {row(lt)}" if lt else "")
                  + f" -> {'passed' if report.passed else 'FAILED'}")
     if raise_on_fail and not report.passed:
         raise NumericsMismatchError(
@@ -180,4 +180,4 @@ def run_verify(folder: str | Path, reference_dir: str | Path, *, decode_steps: i
         )
     return {"passed": report.passed, "failures": report.failures, "mode": report.mode, "reference": report.reference,
             **report.summary, **report.checks, "text": report.text,
-            **({"long_prompt_text": report.long_text} if report.long_text else {})}
+            **({"other_path_text": report.other_text} if report.other_text else {})}

@@ -186,8 +186,8 @@ class VerifyReport:
     checks: dict[str, float] = field(default_factory=dict)
     summary: dict[str, float] = field(default_factory=dict)  # the greedy cases together
     text: dict[str, Any] = field(default_factory=dict)  # the teacher-forced text
-    # the same text where long prompts take another path (Session.long_prompt_path), its prefills sent down it
-    long_text: dict[str, Any] = field(default_factory=dict)
+    # the same text with its prefills sent down the path fresh prompts do not take by default (Session.other_prompt_path)
+    other_text: dict[str, Any] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
     kv_precision_cost: dict[str, Any] | None = None  # memory saved / agreement lost by a lossy KV cache
@@ -285,7 +285,7 @@ def verify_engine(engine: Engine, reference_dir: str | Path, *, decode_steps: in
     source, ids = fixed_text(engine, reference_dir, seed)
     r, e, targets = teacher_forced(engine, ref, ids, positions=text_positions, say=say)
     report.text = {"source": source, "tokens": len(ids), **text_metrics(r, e, targets)}
-    report.long_text = long_prompt_text(engine, ref, ids, source, text_positions, say)
+    report.other_text = other_path_text(engine, ref, ids, source, text_positions, say)
     report.checks = cache_checks(engine, rng, say)
     # an artifact built before verify measured it holds the build's record; otherwise the session measures it
     report.kv_precision_cost = (target.get("options") or {}).get("kv_precision_cost")
@@ -296,16 +296,16 @@ def verify_engine(engine: Engine, reference_dir: str | Path, *, decode_steps: in
     return report
 
 
-def long_prompt_text(engine: Engine, ref: Reference, ids: list[int], source: str, positions: int,
-                     say: Progress) -> dict[str, Any]:
-    """The teacher-forced text again with every window's prefill sent down the path long prompts take, where the
-    engine has one (the intel target's paged attention, its own cache quantization under a u8 cache), so a model
-    shorter than that path's threshold still verifies it; {} where every prompt takes one path."""
+def other_path_text(engine: Engine, ref: Reference, ids: list[int], source: str, positions: int,
+                    say: Progress) -> dict[str, Any]:
+    """The teacher-forced text again with every window's prefill sent down the path such prompts do not take by
+    default, where the engine has two (the intel target: paged attention, with its own block layout under a u8
+    cache, and the fused attention with state), so that both are verified; {} where every prompt takes one path."""
     window = min(engine.max_seq, TEXT_WINDOW)
-    path = engine.session.long_prompt_path(max(1, window // 4))  # teacher_forced's prefill length
+    path = engine.session.other_prompt_path(max(1, window // 4))  # teacher_forced's prefill length
     if path is None:
         return {}
-    say("verify: the text again through the long-prompt path")
+    say("verify: the text again through the other prompt path")
     with path as note:
         r, e, targets = teacher_forced(engine, ref, ids, positions=positions, say=say)
     return {"source": source, "tokens": len(ids), "path": note["path"], **text_metrics(r, e, targets)}
@@ -338,10 +338,13 @@ def cache_checks(engine: Engine, rng: np.random.Generator, say: Progress) -> dic
     engine.session.release(together.state)
     batch_diff = 0.0
     for i, row in enumerate(rows):
+        # each row alone is fed the tokens the batch fed it: a near-tie its own argmax broke otherwise (a batch and a
+        # single row may run different kernels, the intel target's state and paged attention) would compare two
+        # different continuations
         alone = engine.prefill(row, 3)
         al = [alone.logits[0].copy()]
-        for _ in range(3):
-            al.append(engine.decode(alone, np.array([al[-1].argmax()]))[0].copy())
+        for k in range(3):
+            al.append(engine.decode(alone, np.array([tog[k][i].argmax()]))[0].copy())
         engine.session.release(alone.state)
         batch_diff = max(batch_diff, max(float(np.abs(a - t[i]).max()) for a, t in zip(al, tog)))
     return {"prefill_decode_max_abs": worst, "batch_independence_max_abs": batch_diff}
@@ -365,14 +368,14 @@ def _judge_text(t: dict[str, Any], tol: Tolerance, label: str) -> list[str]:
 
 
 def _judge(report: VerifyReport, tol: Tolerance) -> None:
-    long_text = report.long_text
+    other_text = report.other_text
     if tol.teacher_forced:
         report.failures += _judge_text(report.text, tol, "text")
-        if long_text:
-            report.failures += _judge_text(long_text, tol, "long-prompt path text")
+        if other_text:
+            report.failures += _judge_text(other_text, tol, "other prompt path text")
     else:
-        if long_text and long_text["max_abs_logit"] > tol.max_abs_logit:
-            report.failures.append(f"long-prompt path text max |logit diff| {long_text['max_abs_logit']:.3g} > "
+        if other_text and other_text["max_abs_logit"] > tol.max_abs_logit:
+            report.failures.append(f"other prompt path text max |logit diff| {other_text['max_abs_logit']:.3g} > "
                                    f"{tol.max_abs_logit:.3g}")
         s = report.summary
         if s["max_abs_logit"] > tol.max_abs_logit:

@@ -94,7 +94,14 @@ def reference(trained: Path) -> Reference:
 # --- the injected bugs: a Session wrapper around a correct engine ----------------------------------
 def _edit_cache(state: Any, edit: Any) -> None:
     """Apply edit(x) in place to every K/V cache tensor (B, H_kv, slots, D) of a backend's state."""
-    if hasattr(state, "request"):  # intel: the caches are the InferRequest's variables
+    if getattr(state, "rows", None) is not None:  # intel, a paged request: its blocks (blocks, H_kv, block, row)
+        table = state.rows.tables[0]
+        for c in state.rows.caches:
+            n, h, block, width = c[table].shape
+            x = c[table].transpose(1, 0, 2, 3).reshape(1, h, n * block, width)  # a u8 row holds its scale too
+            edit(x)
+            c[table] = x.reshape(h, n, block, width).transpose(1, 0, 2, 3)
+    elif hasattr(state, "request"):  # intel: the caches are the InferRequest's variables
         import openvino as ov
 
         for var in state.request.query_state():
@@ -176,11 +183,13 @@ def test_a_correct_engine_passes(name: str, engines: dict, trained: Path, refere
     print(_show(name, "none", r))
     assert r.mode == ("strict" if r.precision == "fp32" else "teacher-forced")
     assert r.text["source"] == HELDOUT_FILE and r.text["positions"] == TEXT_POSITIONS  # as the rows were set
-    if name.startswith("intel"):  # long prompts take paged attention (its own u8 blocks): judged on the text too
-        assert r.long_text["path"] == "paged attention, decode paged", r.long_text
-        assert r.long_text["positions"] == TEXT_POSITIONS
+    if name.startswith("intel"):  # fresh prompts take paged attention (its own u8 blocks); the text is judged again
+        # through the fused attention with state, the other path
+        assert engines[name].session.describe()["long_prefill"] == "paged attention, decode paged"
+        assert r.other_text["path"] == "one stateful call (the fused attention with state)", r.other_text
+        assert r.other_text["positions"] == TEXT_POSITIONS
     else:
-        assert r.long_text == {}
+        assert r.other_text == {}
     assert r.passed, r.failures
 
 
@@ -275,9 +284,9 @@ def test_cache_checks_stay_within_the_rows_an_engine_was_compiled_for(artifacts:
     assert all(v < 1e-4 for v in checks.values()), checks
 
 
-def test_the_long_prompt_path_is_judged_by_the_same_row() -> None:
-    """A long-prompt text outside the row fails the report, named as that path's, even where the ordinary text
-    passes; a strict row holds its logits to the row's max |dlogit|."""
+def test_the_other_prompt_path_is_judged_by_the_same_row() -> None:
+    """The other prompt path's text outside the row fails the report, named as that path's, even where the ordinary
+    text passes; a strict row holds its logits to the row's max |dlogit|."""
     from kvexport.tolerances import tolerance
     from kvexport.verify import _judge
 
@@ -287,8 +296,8 @@ def test_the_long_prompt_path_is_judged_by_the_same_row() -> None:
     for key, summary in (("fp32+kv-int8", {}), ("fp32", {"max_abs_logit": 1e-5, "greedy_agreement": 1.0,
                                                           "mean_kl": 0.0})):
         tol = tolerance("intel", key)
-        for long_text, fails in (({}, False), (good, key == "fp32"), (bad, True)):
-            r = VerifyReport("intel", key, "test", {}, "", summary=summary, text=good, long_text=long_text)
+        for other_text, fails in (({}, False), (good, key == "fp32"), (bad, True)):
+            r = VerifyReport("intel", key, "test", {}, "", summary=summary, text=good, other_text=other_text)
             _judge(r, tol)
             assert bool(r.failures) == fails, (key, r.failures)
-            assert all(f.startswith("long-prompt path") for f in r.failures), r.failures
+            assert all(f.startswith("other prompt path") for f in r.failures), r.failures

@@ -62,11 +62,12 @@ class Session(ABC):
         of the work before it starts."""
         return None
 
-    def long_prompt_path(self, min_tokens: int) -> AbstractContextManager[dict[str, Any]] | None:
-        """Where a long prompt takes another path than a short one (the intel target's paged attention from
-        1024 tokens): a context manager under which fresh prompts of at least `min_tokens` take it, so that
-        verification can reach it on a short model. It yields a dict whose "path" says, on exit, which path the
-        last such prompt took. None where every prompt takes the same path."""
+    def other_prompt_path(self, min_tokens: int) -> AbstractContextManager[dict[str, Any]] | None:
+        """Where a fresh prompt can take one of two paths (the intel target: paged attention from its
+        paged_prefill_min, every prompt by default, or the fused attention with state): a context manager under
+        which fresh prompts of `min_tokens` take the path they do not take by default, so that verification
+        reaches both on a short model. It yields a dict whose "path" says, on exit, which path they took. None
+        where every prompt takes the same path."""
         return None
 
     def cache_bytes(self, state: Any) -> int | None:

@@ -39,8 +39,8 @@ OPTIONS = (
            "or on first use (first_use: the compile then lands in the first long prompt's or batch's time)",
            choices=("load", "first_use"), phase="load"),
     Option("paged_prefill_min", "int", None, "a fresh one-row prompt of at least this many tokens is prefilled and "
-           "decoded through OpenVINO paged attention (default 1024; lower it to verify that path on a short model)",
-           phase="load"),
+           "decoded through OpenVINO paged attention (default 1: every one; shorter ones take the fused attention "
+           "with state)", phase="load"),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
            "where every layer slides); false keeps them full length, on the fused attention and paged attention"),
     Option("int4_sym", "bool", False, "int4 weights symmetric (NNCF INT4_SYM, no zero points) instead of "

@@ -23,24 +23,28 @@ MASKED = np.float32(-1e30)
 KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
 # caches that lose nothing: f32, and bf16, which is held only under bf16 activations
 LOSSLESS_KV = ("f32", "bf16")
-# A fresh batch-1 prompt of at least this many tokens is prefilled through the engine's paged-attention form
-# (kvexport_intel.paged), compiled with the engine's own cache precision, and the request keeps decoding paged over
-# its blocks (below). The fused node's multi-token kernel scores the
-# whole S x S square under the explicit mask (MLAS, 4 query rows a block); the paged kernel attends causally with no
-# mask. Paged prefill time over one stateful call, same process, two rounds (bench-125m f32, AMD EPYC Zen 3 AVX2, 2
-# threads, load 5-6): 256 tokens 1.21x/1.00x, 512 1.13x/0.92x, 1024 1.01x/1.00x, 2048 0.91x/0.52x, 4096 0.46x/0.52x.
-# So from 1024 on (a tie there). Those figures leave out the copy into the state (docs/performance.md's prompt-4096
-# runs include it) and were taken before the paged form computed logits for the last token only
-# (kvexport_intel.paged), which takes lm_head work off the paged side alone.
-# Such a request also decodes paged (its blocks stay where the prefill wrote them): with f32 caches, at a 4096-token
-# context the paged decode step took 0.81x the stateful one's time (per-step median of 40 interleaved steps,
-# bench-125m, same machine, load ~7; with u8 caches 0.92x at load ~1.9), and handing the blocks over cost ~0.7 s plus
+# A fresh batch-1 prompt of at least this many tokens (by default every one) is prefilled through the engine's
+# paged-attention form (kvexport_intel.paged), compiled with the engine's own cache precision, and the request keeps
+# decoding paged over its blocks. The threshold was 1024 on timings of the prefill alone (bench-125m f32, AMD EPYC Zen 3
+# AVX2, load 5-6: paged over one stateful call 1.21x/1.00x at 256 tokens, 1.13x/0.92x at 512, 1.01x/1.00x at 1024,
+# 0.46x/0.52x at 4096), taken before the paged form computed logits for the last token only and before a finished
+# request's block cache was kept for the next one (_one_row: making one took ~10 ms of a 32-token prompt's time to
+# first token on bench-125m). On an AMD EPYC Zen 4 (AVX-512), `kvexport bench --variant paged_prefill_min=1
+# --step-pairs`: the paged decode step was 1.04x / 1.10x the stateful one's speed at prompts 32 / 512 (bench-125m int4
+# g32, f32 activations) and 1.03x / 1.03x (bench-1b int4 g128, bf16), TTFT at 512 0.74x and 0.94x; at 32, with the block
+# cache reused, 14.6 against 15.8 ms (bench-125m). Against OpenVINO GenAI (which runs paged attention itself) on
+# bench-1b, bf16, five rounds: int4 g128 decode 1.14x / 1.10x paged against 0.99x / 0.98x stateful, int8 1.10x / 1.08x
+# against 0.98x / 1.07x (docs/performance.md). So every prompt (1); batches, rings and models without a paged form keep
+# the stateful call.
+# At a 4096-token context the paged decode step had taken 0.81x the stateful one's time (per-step median of 40
+# interleaved steps, bench-125m, Zen 3, load ~7; with u8 caches 0.92x at load ~1.9), and handing the blocks over cost ~0.7 s plus
 # a first stateful step of ~1.1 s at load ~7 (0.23-0.29 s and 0.12-0.14 s at load ~1.9; the plugin grows a state sized
 # to the prompt).
 # A u8 cache's blocks are quantized by paged attention's own kernels, keys and values per token and head with an
 # f32 scale and zero point each (KEY_CACHE_QUANT_MODE below), the state's scheme in the plugin's block layout;
-# `kvexport verify` judges that path on its own (kvexport.verify.long_prompt_text).
-PAGED_PREFILL_MIN = 1024
+# `kvexport verify` judges both paths (kvexport.verify.other_path_text).
+PAGED_PREFILL_MIN = 1
+STATE_PATH = "one stateful call (the fused attention with state)"
 # Paged attention's u8 key quantization, set rather than left to the plugin's AUTO, so that another OpenVINO's
 # default cannot change what was verified. AUTO picks BY_CHANNEL in OpenVINO 2026.4 (keys per channel over each block
 # of 32 tokens, as OpenVINO GenAI runs it). BY_TOKEN is faster and smaller. At a 4,096-token context with int4 g32
@@ -96,6 +100,7 @@ class IntelSession(Session):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.facts = facts
         self._pool: list[Any] = []  # reset InferRequests of finished requests: memory does not grow
+        self._row_pool: list[Any] = []  # finished paged requests' one-row block caches, their blocks freed (_one_row)
         self._lock = threading.Lock()
         # set by the backend's open_session: how to compile the paged-attention form for batched rows
         self.model_path: str | None = None
@@ -125,20 +130,24 @@ class IntelSession(Session):
         twin = self.cache_twin
         return kv_precision_cost(lambda: twin("f32"), lambda: twin(str(kv)))
 
-    def long_prompt_path(self, min_tokens: int) -> AbstractContextManager[dict[str, Any]] | None:
+    def other_prompt_path(self, min_tokens: int) -> AbstractContextManager[dict[str, Any]] | None:
         if self.ring is not None or not self.state_names:
             return None  # every prompt takes the stateful call
-        return self._paged_from(min_tokens)
+        if self.paged_prefill_min <= min_tokens:  # such prompts are paged already: the other path is the state's
+            return self._prompts_from(self.limit + 1, STATE_PATH)
+        return self._prompts_from(min_tokens, None)
 
     @contextmanager
-    def _paged_from(self, min_tokens: int) -> Iterator[dict[str, Any]]:
+    def _prompts_from(self, min_tokens: int, path: str | None) -> Iterator[dict[str, Any]]:
+        """Fresh prompts of at least min_tokens paged for the context's time; `path` names the path taken (None:
+        the paged prefill's own record, facts["long_prefill"])."""
         saved, self.paged_prefill_min = self.paged_prefill_min, min_tokens
         note: dict[str, Any] = {"path": None}
         try:
             yield note
         finally:
             self.paged_prefill_min = saved
-            note["path"] = self.facts.get("long_prefill")
+            note["path"] = path or self.facts.get("long_prefill")
 
     # --- batched rows ------------------------------------------------------------------------
     def paged_unavailable(self) -> str | None:
@@ -228,7 +237,7 @@ class IntelSession(Session):
         if state.request is None:
             return
         if state.rows is not None:
-            state.rows.release()
+            self._give_back(state.rows)
             state.rows, state.ids = None, None
         state.request.reset_state()  # frees the state buffers' contents before reuse
         with self._lock:
@@ -327,12 +336,8 @@ class IntelSession(Session):
         self.facts["long_prefill"] = f"one stateful call: {why}" if why is not None else "paged attention, decode paged"
         if compiled is None:
             return None
-        from kvexport_intel.paged import PagedRows
-
         t0 = time.perf_counter()
-        # blocks for the engine's whole limit: calloc'd, so only the blocks a row writes become resident
-        state.rows = PagedRows(compiled, rows=1, max_seq=self.limit, num_layers=self.num_layers,
-                               vocab_size=self.vocab_size)
+        state.rows = self._one_row(compiled)
         logits = state.rows.extend(0, input_ids[0]).copy()[None]  # (1, vocab)
         state.run_seconds += time.perf_counter() - t0
         state.steps += 1
@@ -340,6 +345,22 @@ class IntelSession(Session):
         if self._quantized_blocks():
             state.ids = [int(t) for t in input_ids[0]]
         return logits
+
+    def _one_row(self, compiled: Any) -> Any:
+        """A block cache of one row for a fresh paged request: a finished request's (its blocks freed; the pages it
+        wrote and its InferRequest kept, as the stateful requests' pool keeps theirs) or else a new one, with blocks
+        for the engine's whole limit, calloc'd so that only the blocks a row writes become resident."""
+        from kvexport_intel.paged import PagedRows
+
+        with self._lock:
+            if self._row_pool:
+                return self._row_pool.pop()
+        return PagedRows(compiled, rows=1, max_seq=self.limit, num_layers=self.num_layers, vocab_size=self.vocab_size)
+
+    def _give_back(self, rows: Any) -> None:
+        rows.free(0)
+        with self._lock:
+            self._row_pool.append(rows)
 
     def _paged_step(self, state: IntelState, input_ids: np.ndarray) -> np.ndarray:
         """The next tokens of a request that decodes paged: appended to its blocks; (1, vocab) logits."""
@@ -371,7 +392,7 @@ class IntelSession(Session):
         rows, S = state.rows, state.slots
         if state.ids is not None:
             ids = np.array([state.ids], dtype=np.int64)
-            rows.release()
+            self._give_back(rows)
             state.rows, state.ids, state.slots = None, None, 0
             state.request.reset_state()
             i = np.arange(S)
@@ -387,7 +408,7 @@ class IntelSession(Session):
             kv = held.transpose(1, 0, 2, 3).reshape(self.kv_heads, -1, self.head_dim)[None, :, :S]
             kv = np.ascontiguousarray(kv, dtype=np.float32)  # f16 blocks: exact in f32, stored as f16 again
             variables[name].state = ov.Tensor(kv)  # the plugin copies it
-        rows.release()
+        self._give_back(rows)
         state.rows = None
         state.run_seconds += time.perf_counter() - t0
 

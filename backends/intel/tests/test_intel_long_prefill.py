@@ -157,6 +157,37 @@ def test_paged_prefill_min_is_a_load_option(intel_artifacts: dict) -> None:
         kvexport.load(str(art), paged_prefill_min=0)
 
 
+def test_a_finished_paged_request_leaves_its_block_cache_to_the_next(intel_artifacts: dict) -> None:
+    """By default every fresh one-row prompt is paged. A finished request's block cache (its blocks freed) serves the
+    next request, which then computes what the first did; a request that starts while another holds the cache gets a
+    block cache of its own."""
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art), precision="fp32")
+    ids = prompt_ids(PROMPT, seed=7)
+
+    def run() -> tuple[object, list[np.ndarray]]:
+        b = engine.prefill(ids, 3)
+        out = [b.logits.copy()]
+        out.append(engine.decode(b, out[-1].argmax(-1)).copy())
+        return b, out
+
+    b1, first = run()
+    rows = b1.state.rows
+    assert rows is not None and rows.blocks_held() == -(-(PROMPT + 1) // rows.block)
+    engine.session.release(b1.state)
+    assert rows.blocks_held() == 0 and b1.state.rows is None
+    b2, again = run()
+    assert b2.state.rows is rows
+    for x, y in zip(first, again):
+        np.testing.assert_array_equal(x, y)
+    b3, other = run()
+    assert b3.state.rows is not None and b3.state.rows is not rows
+    for x, y in zip(first, other):
+        np.testing.assert_array_equal(x, y)
+    engine.session.release(b2.state)
+    engine.session.release(b3.state)
+
+
 def stateful_bytes(engine: kvexport.runtime.engine.Engine, ids: list[int]) -> int:
     """state_bytes of `ids` prefilled in one stateful call."""
     with stateful(engine, len(ids)):

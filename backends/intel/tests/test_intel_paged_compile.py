@@ -51,7 +51,7 @@ def test_the_paged_form_is_compiled_at_load(intel_artifacts: dict, compiles: lis
 
 def test_no_compile_at_load_where_no_prompt_takes_the_paged_form(intel_artifacts: dict, compiles: list[dict]) -> None:
     _, art = intel_artifacts["llama"]
-    engine = kvexport.load(str(art), precision="fp32")  # the default threshold, 1024 tokens, above its 128 slots
+    engine = kvexport.load(str(art), precision="fp32", paged_prefill_min=1000)  # a threshold above its 128 slots
     assert compiles == []
     assert engine.session.facts["paged_compile"] == "on first use (no prompt this engine holds takes the paged form)"
 

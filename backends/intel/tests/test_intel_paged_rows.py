@@ -116,7 +116,7 @@ def test_batch_rows_state_option_keeps_one_request_per_row(intel_artifacts: dict
 
 def test_a_paged_model_openvino_cannot_compile_falls_back_with_the_reason(intel_artifacts: dict) -> None:
     _, art = intel_artifacts["llama"]
-    engine = kvexport.load(str(art))
+    engine = kvexport.load(str(art), paged_compile="first_use")  # compiled at load, the broken config would not apply
     engine.session.compile_config = {**engine.session.compile_config, "INFERENCE_PRECISION_HINT": "u1"}
     assert isinstance(rows_for(engine.session, 2), StateRows)
     assert engine.session.facts["batch_rows"].startswith(

@@ -61,8 +61,9 @@ def test_bench_prints_measured_figures_or_says_not_measured(intel_artifacts: dic
     from kvexport.bench import format_report, run_bench
 
     _, art = intel_artifacts["llama"]
-    f32 = kvexport.load(str(art), kv_precision="f32", precision="fp32")
-    u8 = kvexport.load(str(art), kv_precision="u8", precision="fp32")
+    # requests the state holds: prompts below paged_prefill_min (every prompt takes the paged form by default)
+    f32 = kvexport.load(str(art), kv_precision="f32", precision="fp32", paged_prefill_min=1000)
+    u8 = kvexport.load(str(art), kv_precision="u8", precision="fp32", paged_prefill_min=1000)
     r = run_bench(f32, reference=None, prompt_lens=(8,), new_tokens=8, threads=1, others=[("u8", u8)],
                   baselines=False, floor=False, rounds=1)
     row = r["prompts"]["8"]
@@ -92,7 +93,7 @@ def test_bench_measures_a_paged_request(intel_artifacts: dict) -> None:
     v = r["prompts"]["8"]["engine"]
     assert v["cache_bytes_copied_per_decode_step"] == 0 and not v["not_measured"]
     cfg = u8.config
-    d = cfg.head_dim  # per slot and head: u8 key + its block's per-channel f32 scale/zero point; u8 value + its own
-    assert v["kv_cache_bytes"] == 15 * cfg.num_hidden_layers * cfg.num_key_value_heads * (2 * d + d // 4 + 8)
+    d = cfg.head_dim  # per slot and head: a u8 key and a u8 value, each with its own f32 scale and zero point
+    assert v["kv_cache_bytes"] == 15 * cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * (d + 8)
     text = format_report(r)
     assert "copied/step 0 B" in text and "not measured" not in text
