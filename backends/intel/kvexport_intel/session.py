@@ -139,8 +139,8 @@ class IntelSession(Session):
 
     @contextmanager
     def _prompts_from(self, min_tokens: int, path: str | None) -> Iterator[dict[str, Any]]:
-        """Fresh prompts of at least min_tokens paged for the context's time; `path` names the path taken (None:
-        the paged prefill's own record, facts["long_prefill"])."""
+        """paged_prefill_min at min_tokens for the context's time (above the engine's limit: no prompt paged); `path`
+        names the path such prompts take (None: the paged prefill's own record, facts["long_prefill"])."""
         saved, self.paged_prefill_min = self.paged_prefill_min, min_tokens
         note: dict[str, Any] = {"path": None}
         try:
