@@ -34,8 +34,8 @@ LOSSLESS_KV = ("f32", "bf16")
 # g32, f32 activations) and 1.03x / 1.03x (bench-1b int4 g128, bf16), TTFT at 512 0.74x and 0.94x; at 32, with the block
 # cache reused, 14.6 against 15.8 ms (bench-125m). Against OpenVINO GenAI (which runs paged attention itself) on
 # bench-1b, bf16, five rounds: int4 g128 decode 1.14x / 1.10x paged against 0.99x / 0.98x stateful, int8 1.10x / 1.08x
-# against 0.98x / 1.07x (docs/performance.md). So every prompt (1); batches, rings and models without a paged form keep
-# the stateful call.
+# against 0.98x / 1.07x; a second run, paged: int4 0.98x / 1.07x, int8 1.07x / 1.04x (docs/performance.md). So every
+# prompt (1); batches, rings and models without a paged form keep the stateful call.
 # At a 4096-token context the paged decode step had taken 0.81x the stateful one's time (per-step median of 40
 # interleaved steps, bench-125m, Zen 3, load ~7; with u8 caches 0.92x at load ~1.9), and handing the blocks over cost ~0.7 s plus
 # a first stateful step of ~1.1 s at load ~7 (0.23-0.29 s and 0.12-0.14 s at load ~1.9; the plugin grows a state sized
