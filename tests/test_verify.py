@@ -97,8 +97,9 @@ def _edit_cache(state: Any, edit: Any) -> None:
     if getattr(state, "rows", None) is not None:  # intel, a paged request: its blocks (blocks, H_kv, block, row)
         table = state.rows.tables[0]
         for c in state.rows.caches:
-            n, h, block, width = c[table].shape
-            x = c[table].transpose(1, 0, 2, 3).reshape(1, h, n * block, width)  # a u8 row holds its scale too
+            held = c[table]  # a gathered copy of the request's blocks
+            n, h, block, width = held.shape
+            x = held.transpose(1, 0, 2, 3).reshape(1, h, n * block, width)  # a u8 row holds its scale too
             edit(x)
             c[table] = x.reshape(h, n, block, width).transpose(1, 0, 2, 3)
     elif hasattr(state, "request"):  # intel: the caches are the InferRequest's variables
@@ -186,7 +187,9 @@ def test_a_correct_engine_passes(name: str, engines: dict, trained: Path, refere
     if name.startswith("intel"):  # fresh prompts take paged attention (its own u8 blocks); the text is judged again
         # through the fused attention with state, the other path
         assert engines[name].session.describe()["long_prefill"] == "paged attention, decode paged"
-        assert r.other_text["path"] == "one stateful call (the fused attention with state)", r.other_text
+        from kvexport_intel.session import STATE_PATH
+
+        assert r.other_text["path"] == STATE_PATH, r.other_text
         assert r.other_text["positions"] == TEXT_POSITIONS
     else:
         assert r.other_text == {}
