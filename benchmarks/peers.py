@@ -32,10 +32,16 @@ of its own (kvexport artifacts in this interpreter's environment, peers in the p
 loaded once; only one works at a time. Prompts are token ids fed to each engine directly, so no
 tokenizer is timed. Time to first token is the prompt's forward pass plus picking the first token;
 decode tok/s is the following tokens over their wall time, as `kvexport bench` counts them.
+
+`bench --step-blocks N` pairs blocks of N decode steps instead of whole runs: every system holds the same prompt
+and they decode N steps each in turn, each timed in its own process, a block's first step (right after another
+process ran) not counted; ratios are medians of the paired blocks' ratios (docs/benchmarks.md). The OpenVINO peer
+then runs as a ContinuousBatchingPipeline driven one step() at a time.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -105,6 +111,24 @@ class KvexportRunner:
         r = bench_engine(engine, len(ids), new)
         return {"ttft_s": r["ttft_s"], "decode_tok_s": r["decode_tok_s"], "tokens": new}
 
+    # --step-blocks: one request held across calls, decoded a block of steps at a time
+    def start(self, ids: list[int], new: int) -> dict[str, float]:
+        engine = self.engine
+        engine.check_fits(len(ids), new)
+        t0 = time.perf_counter()
+        self.batch = engine.prefill(ids, new, copy=False)
+        self.tok = self.batch.logits.argmax(-1)
+        return {"ttft_s": time.perf_counter() - t0, "token": int(self.tok[0])}
+
+    def step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.tok = self.engine.decode(self.batch, self.tok, copy=False).argmax(-1)
+        return {"step_s": time.perf_counter() - t0, "token": int(self.tok[0])}
+
+    def end(self) -> None:
+        self.engine.session.release(self.batch.state)
+        del self.batch
+
 
 class OrtGenaiRunner:
     """onnxruntime-genai: its threads are set in genai_config.json (`build` writes them)."""
@@ -138,6 +162,26 @@ class OrtGenaiRunner:
             n += 1
         return {"ttft_s": ttft, "decode_tok_s": (n - 1) / (time.perf_counter() - t1), "tokens": n}
 
+    def start(self, ids: list[int], new: int) -> dict[str, float]:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(ids) + new, min_length=len(ids) + new, do_sample=False)
+        self.gen = og.Generator(self.model, params)
+        t0 = time.perf_counter()
+        self.gen.append_tokens([ids])
+        self.gen.generate_next_token()
+        ttft = time.perf_counter() - t0
+        return {"ttft_s": ttft, "token": int(self.gen.get_next_tokens()[0])}
+
+    def step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.gen.generate_next_token()
+        dt = time.perf_counter() - t0
+        return {"step_s": dt, "token": int(self.gen.get_next_tokens()[0])}
+
+    def end(self) -> None:
+        del self.gen
+
 
 class OpenVinoRunner:
     """OpenVINO GenAI's LLMPipeline on CPU. Properties that differ silently from kvexport's are set
@@ -164,7 +208,12 @@ class OpenVinoRunner:
         # the bare SchedulerConfig batches 256 tokens a step, so a long prompt's prefill would run in 256-token
         # chunks; LLMPipeline's own latency default (the one it picks without a scheduler config) is unlimited
         sched.max_num_batched_tokens = int(options.get("batched_tokens", 2**63 - 1))
-        self.pipe = ov_genai.LLMPipeline(str(path), "CPU", scheduler_config=sched, **props)
+        if options.get("steps") == "true":
+            # --step-blocks: the pipeline LLMPipeline runs for a scheduler config on CPU, driven one step() at a time
+            self.pipe = ov_genai.ContinuousBatchingPipeline(str(path), sched, "CPU", props)
+            self.request = 0
+        else:
+            self.pipe = ov_genai.LLMPipeline(str(path), "CPU", scheduler_config=sched, **props)
         props = {**props, "enable_prefix_caching": False, "max_num_batched_tokens": sched.max_num_batched_tokens}
         core = ov.Core()
         self.vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
@@ -175,16 +224,20 @@ class OpenVinoRunner:
             except RuntimeError as e:  # a property this plugin version does not report
                 defaults[key] = f"not reported ({str(e).splitlines()[0][:60]})"
         self.info = {"openvino": ov.__version__, "openvino-genai": ov_genai.__version__, "set": props,
-                     "cpu_plugin_defaults": defaults}
+                     "cpu_plugin_defaults": defaults, "pipeline": type(self.pipe).__name__}
+
+    def _config(self, new: int):  # type: ignore[no-untyped-def]
+        cfg = self.ov_genai.GenerationConfig()
+        cfg.max_new_tokens = cfg.min_new_tokens = new
+        cfg.do_sample = False
+        cfg.ignore_eos = True
+        return cfg
 
     def run(self, ids: list[int], new: int) -> dict[str, float]:
         import numpy as np
 
         ov_genai = self.ov_genai
-        cfg = ov_genai.GenerationConfig()
-        cfg.max_new_tokens = cfg.min_new_tokens = new
-        cfg.do_sample = False
-        cfg.ignore_eos = True
+        cfg = self._config(new)
         stamps: list[float] = []
 
         class Stamps(ov_genai.StreamerBase):
@@ -200,6 +253,33 @@ class OpenVinoRunner:
         return {"ttft_s": stamps[0] - t0, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
                 "tokens": len(stamps)}
 
+    def _token(self) -> int:
+        outputs = self.handle.read()  # the tokens made since the last read: this step's one
+        if len(outputs) != 1:
+            sys.exit(f"error: one step of OpenVINO GenAI's pipeline gave {len(outputs)} outputs, not one")
+        return int(next(iter(outputs.values())).generated_ids[-1])
+
+    def start(self, ids: list[int], new: int) -> dict[str, float]:
+        import numpy as np
+
+        self.request += 1
+        self.handle = self.pipe.add_request(self.request, self.ov.Tensor(np.array([ids], dtype=np.int64)),
+                                            self._config(new))
+        t0 = time.perf_counter()
+        self.pipe.step()  # the whole prompt in one step (max_num_batched_tokens unlimited), then the first pick
+        ttft = time.perf_counter() - t0
+        return {"ttft_s": ttft, "token": self._token()}
+
+    def step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.pipe.step()
+        dt = time.perf_counter() - t0
+        return {"step_s": dt, "token": self._token()}
+
+    def end(self) -> None:
+        while self.pipe.has_non_finished_requests():  # nothing left after its last token; a cut run drains here
+            self.pipe.step()
+
 
 RUNNERS = {"kvexport": KvexportRunner, "ortgenai": OrtGenaiRunner, "openvino": OpenVinoRunner}
 
@@ -207,12 +287,29 @@ RUNNERS = {"kvexport": KvexportRunner, "ortgenai": OrtGenaiRunner, "openvino": O
 def worker(a: argparse.Namespace) -> None:
     """Load one system, warm it up, then answer `RUN prompt_len new_tokens` lines with one JSON line each."""
     path = Path(a.path)
-    runner = RUNNERS[kind_of(path)](path, a.threads, json.loads(a.options))
-    runner.run(prompt_ids(8, runner.vocab), 4)  # warm-up: first-call allocations and kernel selection
+    options = json.loads(a.options)
+    runner = RUNNERS[kind_of(path)](path, a.threads, options)
+    if options.get("steps") == "true":  # warm-up: first-call allocations and kernel selection
+        runner.start(prompt_ids(8, runner.vocab), 4)
+        for _ in range(3):
+            runner.step()
+        runner.end()
+    else:
+        runner.run(prompt_ids(8, runner.vocab), 4)
     print(json.dumps({"ready": True, "info": runner.info, "vocab": runner.vocab}), flush=True)
-    for line in sys.stdin:
-        _, p, n = line.split()
-        print(json.dumps(runner.run(prompt_ids(int(p), runner.vocab), int(n))), flush=True)
+    for line in sys.stdin:  # RUN p n | START p n | STEPS n | END
+        word, *args = line.split()
+        if word == "RUN":
+            out = runner.run(prompt_ids(int(args[0]), runner.vocab), int(args[1]))
+        elif word == "START":
+            out = runner.start(prompt_ids(int(args[0]), runner.vocab), int(args[1]))
+        elif word == "STEPS":  # a block of decode steps, each timed
+            outs = [runner.step() for _ in range(int(args[0]))]
+            out = {"step_s": [x["step_s"] for x in outs], "tokens": [x["token"] for x in outs]}
+        else:
+            runner.end()
+            out = {}
+        print(json.dumps(out), flush=True)
 
 
 class Worker:
@@ -235,11 +332,14 @@ class Worker:
             sys.exit(f"error: the worker for {self.path} ({self.kind}) exited with {self.proc.wait()}; see its errors above")
         return json.loads(line)
 
-    def run(self, prompt_len: int, new: int) -> dict:
+    def send(self, line: str) -> dict:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"RUN {prompt_len} {new}\n")
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         return self._read()
+
+    def run(self, prompt_len: int, new: int) -> dict:
+        return self.send(f"RUN {prompt_len} {new}")
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -278,44 +378,117 @@ def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
     return Path(folder), options
 
 
+def _rounds(workers: list[Worker], p: int, a: argparse.Namespace) -> dict:
+    """Whole greedy runs, each system in turn, every other round in reverse order; ratios per round."""
+    runs: dict[str, list[dict]] = {w.label: [] for w in workers}
+    if a.length_warmup:  # untimed: a long prompt's first-call allocations are not round 1's alone
+        for w in workers:
+            w.run(p, 2)
+    for r in range(a.rounds):
+        # every other round runs the systems in reverse order, so that on a host whose load drifts
+        # the later (or earlier) slots of a round do not always fall to the same systems
+        for w in workers if r % 2 == 0 else workers[::-1]:
+            runs[w.label].append(w.run(p, a.new_tokens))
+        print(f"prompt {p} round {r + 1}: " + ", ".join(
+            f"{Path(k).name} {v[-1]['decode_tok_s']:.1f} tok/s ttft {v[-1]['ttft_s']:.2f} s" for k, v in runs.items()),
+              flush=True)
+    first = runs[workers[0].label]
+    row = {}
+    for key, rs in runs.items():
+        paired = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(rs, first)]
+        row[key] = {"decode_tok_s": max(x["decode_tok_s"] for x in rs), "ttft_s": min(x["ttft_s"] for x in rs),
+                    "tokens": min(x["tokens"] for x in rs), "decode_tok_s_per_round": [x["decode_tok_s"] for x in rs],
+                    "ttft_s_per_round": [x["ttft_s"] for x in rs],
+                    "decode_ratio_vs_first": statistics.median(paired)}
+    return row
+
+
+def _step_blocks(workers: list[Worker], p: int, a: argparse.Namespace) -> dict:
+    """Every system holds the same prompt, then they decode a block of --step-blocks steps each in turn (the order
+    cycling through the systems' permutations), each on its own greedy tokens and timed inside its own process.
+    A block's first step, the one right after another process ran, is not counted (in blocks of more than one
+    step), and each block gives the median of its other steps: on 2 cores ONNX Runtime's steps ran 1.5x as long
+    as in a run of their own for tens of milliseconds after another process's (the other's pool threads spin
+    after a run), so ONNX Runtime systems need blocks of ~100 ms or more. A block and its pair run well under a
+    second apart, so the host's drift moves both alike. Ratios are per block pair: the first system's block time
+    over each system's (its speed over the first's); TTFT pairs per round."""
+    n = a.step_blocks
+    if a.length_warmup:
+        for w in workers:
+            w.send(f"START {p} {n + 1}")
+            w.send(f"STEPS {n}")
+            w.send("END")
+    blocks: dict[str, list[float]] = {w.label: [] for w in workers}
+    tokens: dict[str, list[int]] = {w.label: [] for w in workers}
+    ttft: dict[str, list[float]] = {w.label: [] for w in workers}
+    # the orders cycle through every permutation (rotations and their reverses past four systems), so that no
+    # system always runs first, last or right after the same other one
+    orders = (list(itertools.permutations(workers)) if len(workers) <= 4 else
+              [workers[i:] + workers[:i] for i in range(len(workers))] +
+              [(workers[i:] + workers[:i])[::-1] for i in range(len(workers))])
+    k = 0
+    for r in range(a.rounds):
+        for w in orders[r % len(orders)]:
+            out = w.send(f"START {p} {a.new_tokens}")
+            ttft[w.label].append(out["ttft_s"])
+            tokens[w.label].append(out["token"])
+        left, done = a.new_tokens - 1, len(blocks[workers[0].label])
+        while left >= (2 if n > 1 else 1):  # a last block of one step would be its uncounted step alone
+            size = min(n, left)
+            left -= size
+            k += 1
+            for w in orders[k % len(orders)]:
+                out = w.send(f"STEPS {size}")
+                blocks[w.label].append(statistics.median(out["step_s"][1:] if n > 1 else out["step_s"]))
+                tokens[w.label].extend(out["tokens"])
+        for w in workers:
+            w.send("END")
+        print(f"prompt {p} round {r + 1}: " + ", ".join(
+            f"{Path(key).name} step {statistics.median(v[done:]) * 1e3:.1f} ms ttft {ttft[key][-1]:.2f} s"
+            for key, v in blocks.items()), flush=True)
+    import numpy as np
+
+    first = np.asarray(blocks[workers[0].label])
+    row = {}
+    for key, bl in blocks.items():
+        ratio = first / np.asarray(bl)
+        q25, q50, q75 = (float(x) for x in np.quantile(ratio, [0.25, 0.5, 0.75]))
+        row[key] = {"decode_tok_s": 1.0 / statistics.median(bl), "ttft_s": min(ttft[key]),
+                    "tokens": a.new_tokens, "step_ms_median": statistics.median(bl) * 1e3,
+                    "ttft_s_per_round": ttft[key], "decode_ratio_vs_first": q50,
+                    "decode_ratio_quartiles": [q25, q75], "paired_blocks": int(ratio.size),
+                    # greedy tokens shared with the first system (its own numerics may part from it on a near-tie)
+                    "same_tokens_as_first": sum(x == y for x, y in zip(tokens[key], tokens[workers[0].label])),
+                    "tokens_compared": len(tokens[key])}
+    return row
+
+
 def bench(a: argparse.Namespace) -> None:
     specs = [(label, *system_spec(label, a.ov_kv)) for label in a.systems]
     paths = [Path(label) for label, _, _ in specs]
     prompts = [int(x) for x in a.prompt_lens.split(",")]
-    print(f"cpu: {_cpu_name()}; {a.threads} threads, {a.new_tokens} new tokens, greedy, batch 1, "
-          f"{a.rounds} interleaved rounds (every other one in reverse order)"
+    how = (f"{a.rounds} rounds of paired blocks (each system {a.step_blocks} decode steps in turn, the order "
+           "cycling; a block's first step not counted)"
+           if a.step_blocks else f"{a.rounds} interleaved rounds (every other one in reverse order)")
+    print(f"cpu: {_cpu_name()}; {a.threads} threads, {a.new_tokens} new tokens, greedy, batch 1, {how}"
           + (", one untimed pass per system at each prompt length first" if a.length_warmup else ""), flush=True)
-    workers = []
+    workers: list[Worker] = []
     for label, p, options in specs:  # loaded one after another; each warms itself up before it says ready
-        w = Worker(p, a.threads, options, label)
+        repeats = sum(w.path == p and w.label.partition("#")[0] == label for w in workers)
+        label += f"#{repeats + 1}" if repeats else ""  # the same system twice (an A/A run) keeps two rows
+        w = Worker(p, a.threads, {**options, "steps": "true"} if a.step_blocks else options, label)
         print(f"  {label} [{w.kind}]: {json.dumps(w.info)}", flush=True)
         workers.append(w)
-    report: dict = {"systems": {w.label: {"kind": w.kind, "info": w.info} for w in workers}, "prompts": {}}
+    report: dict = {"systems": {w.label: {"kind": w.kind, "info": w.info} for w in workers}, "prompts": {},
+                    "timing": "step_blocks" if a.step_blocks else "rounds"}
     try:
         for p in prompts:
-            runs: dict[str, list[dict]] = {w.label: [] for w in workers}
-            if a.length_warmup:  # untimed: a long prompt's first-call allocations are not round 1's alone
-                for w in workers:
-                    w.run(p, 2)
-            for r in range(a.rounds):
-                # every other round runs the systems in reverse order, so that on a host whose load drifts
-                # the later (or earlier) slots of a round do not always fall to the same systems
-                for w in workers if r % 2 == 0 else workers[::-1]:
-                    runs[w.label].append(w.run(p, a.new_tokens))
-                print(f"prompt {p} round {r + 1}: " + ", ".join(
-                    f"{Path(k).name} {v[-1]['decode_tok_s']:.1f} tok/s ttft {v[-1]['ttft_s']:.2f} s" for k, v in runs.items()),
-                      flush=True)
-            first = runs[workers[0].label]
-            row = {}
-            for key, rs in runs.items():
-                paired = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(rs, first)]
-                row[key] = {"decode_tok_s": max(x["decode_tok_s"] for x in rs), "ttft_s": min(x["ttft_s"] for x in rs),
-                            "tokens": min(x["tokens"] for x in rs), "decode_tok_s_per_round": [x["decode_tok_s"] for x in rs],
-                            "ttft_s_per_round": [x["ttft_s"] for x in rs],
-                            "decode_ratio_vs_first_median_round": statistics.median(paired)}
-                row[key]["ttft_ratio_vs_first"] = row[key]["ttft_s"] / min(x["ttft_s"] for x in first)
-                row[key]["ttft_ratio_vs_first_median_round"] = statistics.median(
-                    x["ttft_s"] / y["ttft_s"] for x, y in zip(rs, first))
+            row = (_step_blocks if a.step_blocks else _rounds)(workers, p, a)
+            first = row[workers[0].label]["ttft_s_per_round"]
+            for v in row.values():
+                v["ttft_ratio_vs_first"] = v["ttft_s"] / min(first)
+                v["ttft_ratio_vs_first_median_round"] = statistics.median(
+                    x / y for x, y in zip(v["ttft_s_per_round"], first))
             report["prompts"][str(p)] = row
     finally:
         for w in workers:
@@ -323,14 +496,21 @@ def bench(a: argparse.Namespace) -> None:
     if a.json:
         print(json.dumps(report, indent=2))
         return
+    how = ("median of paired block ratios [quartiles]" if a.step_blocks
+           else "median of per-round paired decode ratios")
     for p, row in report["prompts"].items():
-        print(f"prompt {p} (ratios to {paths[0].name}: median of per-round paired decode ratios; best TTFT over best, "
+        print(f"prompt {p} (ratios to {paths[0].name}: {how}; best TTFT over best, "
               "and the median of per-round paired TTFT ratios):")
         for key, v in row.items():
             short = "" if v["tokens"] == a.new_tokens else f"  (stopped after {v['tokens']} tokens)"
-            print(f"  {Path(key).name:28s} decode {v['decode_tok_s']:7.1f} tok/s  x{v['decode_ratio_vs_first_median_round']:.2f}   "
+            digits = 3 if a.step_blocks else 2  # a median of tens of block pairs, not of a few rounds
+            spread = (f" [{v['decode_ratio_quartiles'][0]:.2f}-{v['decode_ratio_quartiles'][1]:.2f}]"
+                      if "decode_ratio_quartiles" in v else "")
+            same = (f"  same tokens as the first {v['same_tokens_as_first']}/{v['tokens_compared']}"
+                    if "same_tokens_as_first" in v else "")
+            print(f"  {Path(key).name:28s} decode {v['decode_tok_s']:7.1f} tok/s  x{v['decode_ratio_vs_first']:.{digits}f}{spread}   "
                   f"ttft {v['ttft_s'] * 1e3:8.1f} ms  x{v['ttft_ratio_vs_first']:.2f} "
-                  f"(per-round median x{v['ttft_ratio_vs_first_median_round']:.2f}){short}")
+                  f"(per-round median x{v['ttft_ratio_vs_first_median_round']:.2f}){short}{same}")
 
 
 def _cpu_name() -> str:
@@ -446,6 +626,10 @@ def main() -> None:
                    help="OpenVINO's KV cache precision (its CPU plugin defaults to u8 on x86; kvexport's default cache is fp32)")
     s.add_argument("--no-length-warmup", dest="length_warmup", action="store_false",
                    help="skip the untimed pass of every system at each prompt length before its rounds")
+    s.add_argument("--step-blocks", type=int, default=0, metavar="N",
+                   help="pair blocks of N decode steps across the systems instead of whole runs (1: single steps, "
+                        "for OpenVINO systems; ONNX Runtime ones need blocks of 100 ms or more; a block's first "
+                        "step is not counted where N > 1)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=bench)
     s = sub.add_parser("worker", help=argparse.SUPPRESS)
