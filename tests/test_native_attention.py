@@ -327,12 +327,83 @@ def test_which_kernel_each_cpu_takes(monkeypatch: pytest.MonkeyPatch) -> None:
         assert native.attention_kernel({"avx512f", "avx2", "fma"}).isa == "avx2"
 
 
+@pytest.fixture(scope="module")
+def int8_head64_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `--kv int8` cpu artifact of a tiny llama with head size 64 (two query heads, one KV head), the size the
+    op's tiled prompt kernel takes (the tiny families' heads are 16 or 32 wide)."""
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+    from kvexport.zoo import TINY_CONFIGS, write_checkpoint
+
+    root = tmp_path_factory.mktemp("head64")
+    cfg = {**TINY_CONFIGS["llama"], "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+    ckpt = write_checkpoint(cfg, root / "ckpt", seed=5)
+    build(ckpt, root / "kv8.kvx", target="cpu", max_seq=128, options=BuildOptions(kv="int8"), verify=False)
+    return root / "kv8.kvx"
+
+
+def _swapped(artifact: Path, isa: str) -> onnx.ModelProto:
+    model = onnx.load(str(artifact / "engine" / "model.opt.onnx"), load_external_data=False)
+    assert native.swap(model, "", attention=True, attention_isa=isa)[1] > 0
+    return model
+
+
+def test_the_swap_sends_one_rows_prompt_of_an_int8_engine_to_the_op_where_its_tiled_kernel_runs(
+        int8_head64_artifact: Path, int8_cache_artifact: Path) -> None:
+    """The int8 engine's Ifs (kvexport.backends.cpu_kv: the fp32 form for several new tokens, the quantized node for
+    one) read "several new tokens in several batch rows" once the op is swapped in on AVX-512 at head size 64, so one
+    row's prompt runs the op's tiled kernel; on AVX2 (no tiled kernel), or at another head size, they keep "several
+    new tokens"."""
+    from kvexport.backends.cpu_kv import PREFIX
+
+    for art, isa, cond in ((int8_head64_artifact, "avx512", f"{PREFIX}/many_rows"),
+                           (int8_head64_artifact, "avx2", f"{PREFIX}/many"),
+                           (int8_cache_artifact, "avx512", f"{PREFIX}/many")):  # heads 16 wide
+        g = _swapped(art, isa).graph
+        ifs = [n for n in g.node if n.op_type == "If" and n.input[0].startswith(f"{PREFIX}/many")]
+        assert ifs and {n.input[0] for n in ifs} == {cond}, isa
+        # each condition is computed before the first If that reads it
+        made = [i for i, n in enumerate(g.node) if cond in n.output]
+        assert made and made[0] < list(g.node).index(ifs[0])
+    rows = [n for n in _swapped(int8_head64_artifact, "avx512").graph.node if n.output[0] == f"{PREFIX}/rows"]
+    assert rows and rows[0].input[0] == "input_ids"
+
+
+def test_one_rows_prompt_through_the_tiled_kernel_matches_the_fp32_form(int8_head64_artifact: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """At head size 64 on AVX-512 an int8 engine's one-row prompt runs the op's tiled kernel, ONNX Runtime's fp32
+    form without the op: the same bytes stored (but for a rounding tie of the key, rotated in another float order),
+    the logits to float order and the same greedy tokens after; whole, and in pieces that continue held rows."""
+    import kvexport
+    from kvexport.runtime import session
+
+    _runs_here("avx512", monkeypatch)
+    ours = kvexport.load(str(int8_head64_artifact), threads=2)
+    theirs = kvexport.load(str(int8_head64_artifact), threads=2, native_attention="false")
+    prompt = [int(t) for t in np.random.default_rng(6).integers(3, 200, 70)]
+    for piece in (session.PREFILL_PIECE, 32):  # one call, then 32 + 32 + 6 new tokens over the rows held
+        monkeypatch.setattr(session, "PREFILL_PIECE", piece)
+        a, b = ours.prefill(prompt, 30), theirs.prefill(prompt, 30)
+        la, lb = a.logits, b.logits
+        for _ in range(8):
+            np.testing.assert_allclose(la, lb, atol=1e-4 * float(np.abs(lb).max()))
+            for x, y in zip(a.state.caches, b.state.caches):
+                diff = np.abs(x.astype(np.int16) - y.astype(np.int16))
+                assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
+            assert (la.argmax(-1) == lb.argmax(-1)).all()
+            tok = lb.argmax(-1)
+            la, lb = ours.decode(a, tok), theirs.decode(b, tok)
+        assert (a.state.caches[0][0, :, :70] != 0).any()
+        ours.session.release(a.state), theirs.session.release(b.state)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_an_int8_cache_engine_decodes_the_same_with_the_op(isa: str, int8_cache_artifact: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The same `--kv int8` artifact loaded with the op and with ONNX Runtime's kernel, fed the same tokens for 30
     steps: the cache bytes equal after every step and the logits agree to float order (the op is swapped into
-    the one-token branch of every layer; prompts take the fp32 branch either way)."""
+    the one-token branch of every layer, and on AVX-512 one row's prompt runs its tiled kernel; ONNX Runtime's
+    fp32 form takes prompts otherwise). A prompt of two rows takes the fp32 form under either load."""
     import kvexport
     from kvexport.errors import InputError
 
@@ -352,6 +423,11 @@ def test_an_int8_cache_engine_decodes_the_same_with_the_op(isa: str, int8_cache_
         assert all(np.array_equal(x, y) for x, y in zip(a.state.caches, b.state.caches))
         tok = lb.argmax(-1)
         la, lb = ours.decode(a, tok), theirs.decode(b, tok)
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(3, 200, k)] for k in (23, 9)]
+    a, b = ours.prefill(prompts, 3), theirs.prefill(prompts, 3)
+    np.testing.assert_array_equal(a.logits, b.logits)  # the same graph ran for both
+    assert all(np.array_equal(x, y) for x, y in zip(a.state.caches, b.state.caches))
     with pytest.raises(InputError, match="native_attention"):
         kvexport.load(str(int8_cache_artifact), native_attention="maybe")
 

@@ -10,6 +10,9 @@ attributes; the file is not changed (docs/backends/cpu.md):
   of 32 the two agree to summation order.
 - `ai.kvexport.Int8CacheAttention` (attention.c), on a CPU with AVX-512 or AVX2+FMA, for every `GroupQueryAttention`
   over an int8 cache (`--kv int8`) it takes: the same bytes stored, the attention in fp32 over them, in another order.
+  Such nodes sit in the one-token branch of the engine's own If (kvexport.backends.cpu_kv); where the op's tiled
+  prompt kernel runs (AVX-512, head size 64), that If's condition becomes "several new tokens in several batch
+  rows", so one row's prompt runs the op too.
 - `ai.kvexport.Fp32CacheAttention` (the same kernel over a float cache, and a tiled one for prompts on AVX-512 at
   head size 64), likewise, for every `GroupQueryAttention` of an fp32-cache engine it takes: each such node goes
   under an If on "one new token" (or, where the tiled kernel runs, "one new token or one batch row"), ONNX
@@ -266,6 +269,34 @@ def _head_size(graph: Any, name: str) -> int:
     return 0
 
 
+def _int8_prompts_to_the_op(graph: Any) -> int:
+    """Where every If on the int8 engine's "several new tokens" condition (kvexport.backends.cpu_kv) holds the int8
+    op in its one-token branch at head size 64, feed those Ifs "several new tokens in several batch rows" instead,
+    so that one row's prompt runs the op's tiled kernel and several rows' keep the fp32 form; the number rewired."""
+    from onnx import TensorProto, helper
+
+    from kvexport.backends.cpu_kv import PREFIX
+
+    many = f"{PREFIX}/many"
+    ifs = [n for n in graph.node if n.op_type == "If" and n.input and n.input[0] == many]
+    ops = [[m for a in n.attribute if a.name == "else_branch" for m in a.g.node] for n in ifs]
+    if not ifs or not all(len(o) == 1 and o[0].op_type == ATTENTION_OP and o[0].domain == DOMAIN
+                          and _head_size(graph, o[0].input[3]) == 64 for o in ops):
+        return 0
+    rows = f"{PREFIX}/rows"
+    graph.initializer.append(helper.make_tensor(f"{rows}/one", TensorProto.INT64, [1], [1]))
+    made = [helper.make_node("Shape", ["input_ids"], [rows], start=0, end=1),
+            helper.make_node("Greater", [rows, f"{rows}/one"], [f"{rows}/several"]),
+            helper.make_node("And", [many, f"{rows}/several"], [f"{many}_rows"])]
+    at = next(i for i, n in enumerate(graph.node) if many in n.output) + 1
+    for n in ifs:
+        n.input[0] = f"{many}_rows"
+    nodes = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes[:at] + made + nodes[at:])
+    return len(ifs)
+
+
 def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BITS, huge_pages: bool = True,
          attention: bool = False, attention_isa: str = "") -> tuple[int, int]:
     """Turn each MatMulNBits node of `widths` bits the matmul kernel takes on `isa` (none where `isa` is "") into
@@ -273,7 +304,8 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
     into ai.kvexport.Int8CacheAttention, in place, in every subgraph, and each one over the main graph's float
     caches that the fp32 op takes under an If that runs ai.kvexport.Fp32CacheAttention for one new token
     (_one_token_branch; on `attention_isa` avx512, at head size 64, also for a prompt of one batch row, which
-    its tiled kernel takes); the numbers swapped (matmuls, attentions of either kind).
+    its tiled kernel takes; the int8 engine's own Ifs likewise, _int8_prompts_to_the_op); the numbers swapped
+    (matmuls, attentions of either kind).
     `huge_pages`: whether the matmul kernel asks for huge pages for its packed weights."""
     from onnx import helper
 
@@ -300,6 +332,8 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
         if len(made) != len(g.node):
             del g.node[:]
             g.node.extend(made)
+        if attention_isa == "avx512":
+            _int8_prompts_to_the_op(g)
     if (n or m) and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return n, m

@@ -423,20 +423,25 @@ static void attend_task(void *data, size_t task) {
     attend_run_avx2(J, task);
 }
 
-/* ---------------------------------------------------------------- many new tokens over a float cache (AVX-512) */
+/* ---------------------------------------------------------------- many new tokens (AVX-512, head size 64) */
 
-/* A prompt's queries against a float cache, head size 64: each task holds up to 24 query rows (tokens x the query
+/* A prompt's queries against the cache, head size 64: each task holds up to 24 query rows (tokens x the query
  * heads of one KV head) in registers and walks the keys in steps of 64 with a running softmax (the max, the sum and
  * the weighted values rescaled as the max grows). Keys are read from a transposed copy made per call (16 keys by 64
- * channels a block), so that a score is a broadcast query channel times 16 keys, no horizontal sums. */
+ * channels a block), so that a score is a broadcast query channel times 16 keys, no horizontal sums. An int8 cache
+ * is widened to float in that copy (its key scale is in the query, as for one token) and its value rows into a
+ * float copy of their own, the value scale applied once per channel to the output. */
 #define PT_ROWS 24
 #define PT_KEYS 64
 
 typedef struct {
   int64_t B, S, H, KV, G, max_seq, tok, tiles, blocks;
-  const float *kc, *vc; /* (B, KV, max_seq, 64) */
-  float *kt;            /* (B, KV, blocks, 64, 16) */
-  const float *q;       /* (B, S, H, 64): rotated, times the softmax scale */
+  const void *kc, *vc; /* (B, KV, max_seq, 64): float, or int8 where !f32 */
+  float *kt;           /* (B, KV, blocks, 64, 16) */
+  float *vw;           /* int8 cache: its value rows as float (B, KV, blocks * 16, 64); NULL for a float cache */
+  const float *vs;     /* int8 cache: the value scales (KV, 64) */
+  int f32;
+  const float *q;       /* (B, S, H, 64): rotated, times the softmax scale (and an int8 cache's key scale) */
   const int64_t *last;  /* (B, S) */
   const float *bias;
   int64_t bb, bh, bs;
@@ -450,15 +455,22 @@ static void transpose_task(void *data, size_t task) {
   const int64_t per = (J->blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS;
   const int64_t bk = (int64_t)task / per, b0 = ((int64_t)task % per) * PT_TRANSPOSE_BLOCKS;
   const int64_t b1 = b0 + PT_TRANSPOSE_BLOCKS < J->blocks ? b0 + PT_TRANSPOSE_BLOCKS : J->blocks;
-  const float *K = J->kc + bk * J->max_seq * 64;
+  const float *K = J->f32 ? (const float *)J->kc + bk * J->max_seq * 64 : NULL;
+  const int8_t *K8 = J->f32 ? NULL : (const int8_t *)J->kc + bk * J->max_seq * 64;
+  const int8_t *V8 = J->f32 ? NULL : (const int8_t *)J->vc + bk * J->max_seq * 64;
   for (int64_t blk = b0; blk < b1; blk++) {
     float *to = J->kt + (bk * J->blocks + blk) * 64 * 16;
+    float *vto = J->f32 ? NULL : J->vw + (bk * J->blocks + blk) * 16 * 64;
     for (int64_t j = 0; j < 16; j++) {
       const int64_t row = blk * 16 + j;
-      if (row < J->max_seq)
+      if (row >= J->max_seq)
+        for (int64_t d = 0; d < 64; d++) to[d * 16 + j] = 0.f;
+      else if (K != NULL)
         for (int64_t d = 0; d < 64; d++) to[d * 16 + j] = K[row * 64 + d];
       else
-        for (int64_t d = 0; d < 64; d++) to[d * 16 + j] = 0.f;
+        for (int64_t d = 0; d < 64; d++) to[d * 16 + j] = (float)K8[row * 64 + d];
+      if (vto != NULL) /* the value row as it is held, as float; zeros past the cache */
+        for (int64_t d = 0; d < 64; d++) vto[j * 64 + d] = row < J->max_seq ? (float)V8[row * 64 + d] : 0.f;
     }
   }
 }
@@ -572,7 +584,9 @@ __attribute__((target("avx512f,fma"))) static void prompt_task(void *data, size_
     }
   }
   const float *KT = J->kt + (b * J->KV + kvh) * J->blocks * 64 * 16;
-  const float *V = J->vc + (b * J->KV + kvh) * J->max_seq * 64;
+  const float *V = J->f32 ? (const float *)J->vc + (b * J->KV + kvh) * J->max_seq * 64
+                          : J->vw + (b * J->KV + kvh) * J->blocks * 16 * 64;
+  const float *vs = J->f32 ? NULL : J->vs + kvh * 64;
   for (int64_t k0 = 0; k0 <= maxlast; k0 += PT_KEYS) {
     const int64_t nk = maxlast + 1 - k0 < PT_KEYS ? maxlast + 1 - k0 : PT_KEYS;
     for (int64_t q = 0; q < groups; q++) prompt_step(J, &R[q], KT, V, b, kvh, k0, nk, P);
@@ -582,7 +596,10 @@ __attribute__((target("avx512f,fma"))) static void prompt_task(void *data, size_
       const int64_t i = r / G, g = r % G;
       float *o = J->out + ((b * J->S + R[q].s0 + i) * J->H + kvh * G + g) * 64;
       const float inv = R[q].l[r] > 0.f ? 1.f / R[q].l[r] : 0.f;
-      for (int d = 0; d < 64; d++) o[d] = R[q].O[r * 64 + d] * inv;
+      if (vs == NULL)
+        for (int d = 0; d < 64; d++) o[d] = R[q].O[r * 64 + d] * inv;
+      else
+        for (int d = 0; d < 64; d++) o[d] = R[q].O[r * 64 + d] * inv * vs[d];
     }
 }
 
@@ -763,7 +780,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   int64_t rows_held = 1;
   for (int64_t b = 0; b < B; b++) rows_held = seqlens[b] + 1 > rows_held ? seqlens[b] + 1 : rows_held;
   rows_held = rows_held < max_seq ? rows_held : max_seq;
-  const int prompt = k->f32 && k->isa == 2 && D == 64 && S > 1; /* the tiled prompt kernel takes it */
+  const int prompt = k->isa == 2 && D == 64 && S > 1; /* the tiled prompt kernel takes it */
   const int64_t runs = (rows_held + RUN - 1) / RUN, tasks = prompt ? 0 : B * S * KV * runs;
   const size_t floats = (size_t)(2 * KV * D + B * S * H * D + 2 * D + tasks * G * (D + 2));
   int64_t *last = (int64_t *)malloc((size_t)(B * S) * sizeof(int64_t) + floats * sizeof(float));
@@ -819,10 +836,12 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   }
   if (st == NULL && prompt) {
     const int64_t tok = PT_ROWS / G, blocks = (rows_held + 15) / 16;
-    float *kt = (float *)aligned_alloc(64, (size_t)(B * KV * blocks * 64 * 16) * sizeof(float));
+    /* the transposed keys, and for an int8 cache its value rows as float after them */
+    const size_t copy = (size_t)(B * KV * blocks * 64 * 16);
+    float *kt = (float *)aligned_alloc(64, (k->f32 ? 1 : 2) * copy * sizeof(float));
     if (kt == NULL) st = g_ort->CreateStatus(ORT_FAIL, "CacheAttention: out of memory");
-    PJob P = {B, S, H, KV, G, max_seq, tok, (S + tok * PT_GROUPS - 1) / (tok * PT_GROUPS), blocks, (const float *)kc, (const float *)vc, kt,
-              qs, last, bias, bb, bh, bsd, (float *)outp};
+    PJob P = {B, S, H, KV, G, max_seq, tok, (S + tok * PT_GROUPS - 1) / (tok * PT_GROUPS), blocks, kc, vc, kt,
+              k->f32 || kt == NULL ? NULL : kt + copy, vs, k->f32, qs, last, bias, bb, bh, bsd, (float *)outp};
     if (st == NULL)
       st = g_ort->KernelContext_ParallelFor(
           ctx, transpose_task, (size_t)(B * KV * ((blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS)), 0, &P);
