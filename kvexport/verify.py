@@ -338,10 +338,11 @@ def cache_checks(engine: Engine, rng: np.random.Generator, say: Progress) -> dic
     engine.session.release(together.state)
     batch_diff = 0.0
     for i, row in enumerate(rows):
-        # each row alone is fed the tokens the batch fed it: a near-tie its own argmax broke otherwise (a batch and a
-        # single row may run different kernels, the intel target's state and paged attention) would compare two
-        # different continuations
-        alone = engine.prefill(row, 3)
+        # each row alone takes the batch's path (the intel target pages a lone row's prompt, a batch's runs the fused
+        # attention with state: other_path_text judges the two apart), and is fed the tokens the batch fed it, so a
+        # near-tie broken otherwise does not compare two different continuations
+        with engine.session.batch_row_path():
+            alone = engine.prefill(row, 3)
         al = [alone.logits[0].copy()]
         for k in range(3):
             al.append(engine.decode(alone, np.array([tog[k][i].argmax()]))[0].copy())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,13 @@ class Session(ABC):
         reaches both on a short model. It yields a dict whose "path" says, on exit, which path they took. None
         where every prompt takes the same path."""
         return None
+
+    def batch_row_path(self) -> AbstractContextManager[Any]:
+        """A context under which one row's fresh prompt takes the path a batch of rows takes, so that a check
+        comparing a row alone with the same row in a batch compares one computation (the intel target pages a lone
+        row's prompt and runs a batch's through the fused attention with state; other_prompt_path reaches the two
+        apart). A no-op where rows alone and batches share one path."""
+        return nullcontext()
 
     def cache_bytes(self, state: Any) -> int | None:
         """Bytes the state's KV cache occupies now, as read from the buffers or the runtime;

@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +136,11 @@ class IntelSession(Session):
         if self.paged_prefill_min <= min_tokens:  # such prompts are paged already: the other path is the state's
             return self._prompts_from(self.limit + 1, STATE_PATH)
         return self._prompts_from(min_tokens, None)
+
+    def batch_row_path(self) -> AbstractContextManager[Any]:
+        if self.ring is not None or not self.state_names:
+            return nullcontext()  # every prompt takes the stateful call, as a batch's does
+        return self._prompts_from(self.limit + 1, STATE_PATH)  # a batch's prompt takes the state's path
 
     @contextmanager
     def _prompts_from(self, min_tokens: int, path: str | None) -> Iterator[dict[str, Any]]:

@@ -188,6 +188,31 @@ def test_a_finished_paged_request_leaves_its_block_cache_to_the_next(intel_artif
     engine.session.release(b3.state)
 
 
+def test_a_lone_row_takes_the_batchs_path_under_batch_row_path(intel_artifacts: dict) -> None:
+    """A batch's prompt runs the fused attention with state and a lone row's is paged by default; under
+    Session.batch_row_path (verify's batch-independence check) the lone row takes the state's path, and so computes
+    the same logits as its row of the batch, step after step; the default comes back after the context."""
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art), precision="fp32")
+    rows = [prompt_ids(n, seed=n) for n in (5, 17)]
+    together = engine.prefill(rows, 3)
+    assert together.state.rows is None  # the batch: the state's path
+    tog = [together.logits.copy()]
+    tog.append(engine.decode(together, tog[-1].argmax(-1)).copy())
+    engine.session.release(together.state)
+    for i, row in enumerate(rows):
+        with engine.session.batch_row_path():
+            alone = engine.prefill(row, 3)
+        assert alone.state.rows is None
+        got = [alone.logits[0].copy(), engine.decode(alone, np.array([tog[0][i].argmax()]))[0].copy()]
+        engine.session.release(alone.state)
+        for a, t in zip(got, tog):
+            np.testing.assert_allclose(a, t[i], atol=1e-4 * float(np.abs(t[i]).max()))
+    paged = engine.prefill(rows[1], 1)
+    assert paged.state.rows is not None  # outside the context a lone row is paged again
+    engine.session.release(paged.state)
+
+
 def stateful_bytes(engine: kvexport.runtime.engine.Engine, ids: list[int]) -> int:
     """state_bytes of `ids` prefilled in one stateful call."""
     with stateful(engine, len(ids)):
