@@ -130,6 +130,7 @@ CASES = {  # (B, H, KV, D, C, packed, rotary, bias, per_channel, row lengths, ne
     "several-new-tokens": (1, 4, 2, 64, 600, True, True, True, True, [530], 3),  # ONNX Runtime: batch 1 then
     "prompt-after-rows": (1, 12, 4, 64, 700, True, True, True, True, [300], 100),
     "prompt-group-5": (1, 10, 2, 64, 300, False, True, True, True, [40], 37),
+    "prompt-head-128": (1, 8, 2, 128, 400, True, True, True, True, [150], 60),  # the tiled kernel at head size 128
 }
 
 
@@ -195,7 +196,7 @@ def test_the_fp32_cache_op_stores_and_attends_as_onnxruntime_does(case: str, in_
     B, H, KV, D, C, packed, rotary, bias, per_channel, lengths, S = CASES[case]
     flags = {"packed": packed, "rotary": rotary, "bias": bias, "per_channel": per_channel}
     models = [_model(B, H, KV, D, C, ours=o, f32=True, isa=isa, **flags) for o in (False, True)]
-    prompts = isa == "avx512" and D == 64  # the tiled kernel takes prompts of one batch row
+    prompts = isa == "avx512" and D in native.TILED_HEAD_SIZES  # the tiled kernel takes prompts of one batch row
     assert [n.op_type for n in models[1].graph.node] == (["Shape", "Shape", "ReduceMin", "Equal", "If"] if prompts
                                                          else ["Shape", "Equal", "If"])
     theirs, ours = (_session(m) for m in models)

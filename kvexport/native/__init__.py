@@ -11,10 +11,10 @@ attributes; the file is not changed (docs/backends/cpu.md):
 - `ai.kvexport.Int8CacheAttention` (attention.c), on a CPU with AVX-512 or AVX2+FMA, for every `GroupQueryAttention`
   over an int8 cache (`--kv int8`) it takes: the same bytes stored, the attention in fp32 over them, in another order.
   Such nodes sit in the one-token branch of the engine's own If (kvexport.backends.cpu_kv); where the op's tiled
-  prompt kernel runs (AVX-512, head size 64), that If's condition becomes "several new tokens in several batch
+  prompt kernel runs (AVX-512, head size 64 or 128), that If's condition becomes "several new tokens in several batch
   rows", so one row's prompt runs the op too.
 - `ai.kvexport.Fp32CacheAttention` (the same kernel over a float cache, and a tiled one for prompts on AVX-512 at
-  head size 64), likewise, for every `GroupQueryAttention` of an fp32-cache engine it takes: each such node goes
+  head size 64 or 128), likewise, for every `GroupQueryAttention` of an fp32-cache engine it takes: each such node goes
   under an If on "one new token" (or, where the tiled kernel runs, "one new token or one batch row"), ONNX
   Runtime's node in the other branch.
 
@@ -35,6 +35,7 @@ LIBRARY = Path(__file__).with_name("libkvexport_native.so")
 REQUIRE_ENV = "KVEXPORT_REQUIRE_NATIVE"  # set (CI): a missing library is an error, not a fallback
 ISA_ENV = "KVEXPORT_QMATMUL_ISA"  # "avx2": the AVX2 kernel on a CPU that has AVX512-VNNI as well
 ATTENTION_ISA_ENV = "KVEXPORT_ATTENTION_ISA"  # "avx2": the attention's AVX2 kernel on a CPU with AVX-512 too
+TILED_HEAD_SIZES = (64, 128)  # the head sizes attention.c's tiled prompt kernel takes (AVX-512 only)
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ def _head_size(graph: Any, name: str) -> int:
 
 def _int8_prompts_to_the_op(graph: Any) -> int:
     """Where every If on the int8 engine's "several new tokens" condition (kvexport.backends.cpu_kv) holds the int8
-    op in its one-token branch at head size 64, feed those Ifs "several new tokens in several batch rows" instead,
+    op in its one-token branch at a head size the tiled kernel takes (TILED_HEAD_SIZES), feed those Ifs "several new tokens in several batch rows" instead,
     so that one row's prompt runs the op's tiled kernel and several rows' keep the fp32 form; the number rewired."""
     from onnx import TensorProto, helper
 
@@ -281,7 +282,7 @@ def _int8_prompts_to_the_op(graph: Any) -> int:
     ifs = [n for n in graph.node if n.op_type == "If" and n.input and n.input[0] == many]
     ops = [[m for a in n.attribute if a.name == "else_branch" for m in a.g.node] for n in ifs]
     if not ifs or not all(len(o) == 1 and o[0].op_type == ATTENTION_OP and o[0].domain == DOMAIN
-                          and _head_size(graph, o[0].input[3]) == 64 for o in ops):
+                          and _head_size(graph, o[0].input[3]) in TILED_HEAD_SIZES for o in ops):
         return 0
     rows = f"{PREFIX}/rows"
     graph.initializer.append(helper.make_tensor(f"{rows}/one", TensorProto.INT64, [1], [1]))
@@ -303,7 +304,7 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
     ai.kvexport.QMatMul, and with `attention` each GroupQueryAttention over an int8 cache the attention op takes
     into ai.kvexport.Int8CacheAttention, in place, in every subgraph, and each one over the main graph's float
     caches that the fp32 op takes under an If that runs ai.kvexport.Fp32CacheAttention for one new token
-    (_one_token_branch; on `attention_isa` avx512, at head size 64, also for a prompt of one batch row, which
+    (_one_token_branch; on `attention_isa` avx512, at a head size in TILED_HEAD_SIZES, also for a prompt of one batch row, which
     its tiled kernel takes; the int8 engine's own Ifs likewise, _int8_prompts_to_the_op); the numbers swapped
     (matmuls, attentions of either kind).
     `huge_pages`: whether the matmul kernel asks for huge pages for its packed weights."""
@@ -324,7 +325,7 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
         made = []
         for node in g.node:
             if takes_fp32_attention(node, caches):
-                prompts = attention_isa == "avx512" and _head_size(g, node.input[3]) == 64
+                prompts = attention_isa == "avx512" and _head_size(g, node.input[3]) in TILED_HEAD_SIZES
                 made.extend(_one_token_branch(g, node, prompts))
                 m += 1
             else:

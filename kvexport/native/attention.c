@@ -423,82 +423,85 @@ static void attend_task(void *data, size_t task) {
     attend_run_avx2(J, task);
 }
 
-/* ---------------------------------------------------------------- many new tokens (AVX-512, head size 64) */
+/* ---------------------------------------------------------------- many new tokens (AVX-512, head size 64 or 128) */
 
-/* A prompt's queries against the cache, head size 64: each task holds up to 24 query rows (tokens x the query
- * heads of one KV head) in registers and walks the keys in steps of 64 with a running softmax (the max, the sum and
- * the weighted values rescaled as the max grows). Keys are read from a transposed copy made per call (16 keys by 64
- * channels a block), so that a score is a broadcast query channel times 16 keys, no horizontal sums. An int8 cache
- * is widened to float in that copy (its key scale is in the query, as for one token) and its value rows into a
- * float copy of their own, the value scale applied once per channel to the output. */
+/* A prompt's queries against the cache, head size PD (64 or 128): each task holds up to 24 query rows (tokens x the
+ * query heads of one KV head) and walks the keys in steps of 64 with a running softmax (the max, the sum and the
+ * weighted values rescaled as the max grows). Keys are read from a transposed copy made per call (16 keys by PD
+ * channels a block), so that a score is a broadcast query channel times 16 keys, no horizontal sums; the scores of
+ * 24 rows against 16 keys sit in 24 registers whatever PD is. An int8 cache is widened to float in that copy (its
+ * key scale is in the query, as for one token) and its value rows into a float copy of their own, the value scale
+ * applied once per channel to the output. */
 #define PT_ROWS 24
 #define PT_KEYS 64
+#define PT_MAX_D 128
 
 typedef struct {
-  int64_t B, S, H, KV, G, max_seq, tok, tiles, blocks;
-  const void *kc, *vc; /* (B, KV, max_seq, 64): float, or int8 where !f32 */
-  float *kt;           /* (B, KV, blocks, 64, 16) */
-  float *vw;           /* int8 cache: its value rows as float (B, KV, blocks * 16, 64); NULL for a float cache */
-  const float *vs;     /* int8 cache: the value scales (KV, 64) */
+  int64_t B, S, H, KV, G, D, max_seq, tok, tiles, blocks;
+  const void *kc, *vc; /* (B, KV, max_seq, D): float, or int8 where !f32 */
+  float *kt;           /* (B, KV, blocks, D, 16) */
+  float *vw;           /* int8 cache: its value rows as float (B, KV, blocks * 16, D); NULL for a float cache */
+  const float *vs;     /* int8 cache: the value scales (KV, D) */
   int f32;
-  const float *q;       /* (B, S, H, 64): rotated, times the softmax scale (and an int8 cache's key scale) */
+  const float *q;       /* (B, S, H, D): rotated, times the softmax scale (and an int8 cache's key scale) */
   const int64_t *last;  /* (B, S) */
   const float *bias;
   int64_t bb, bh, bs;
-  float *out; /* (B, S, H, 64) */
+  float *out; /* (B, S, H, D) */
 } PJob;
 
 #define PT_TRANSPOSE_BLOCKS 16 /* 16-key blocks a transposing task takes */
 
 static void transpose_task(void *data, size_t task) {
   const PJob *J = (const PJob *)data;
-  const int64_t per = (J->blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS;
+  const int64_t D = J->D, per = (J->blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS;
   const int64_t bk = (int64_t)task / per, b0 = ((int64_t)task % per) * PT_TRANSPOSE_BLOCKS;
   const int64_t b1 = b0 + PT_TRANSPOSE_BLOCKS < J->blocks ? b0 + PT_TRANSPOSE_BLOCKS : J->blocks;
-  const float *K = J->f32 ? (const float *)J->kc + bk * J->max_seq * 64 : NULL;
-  const int8_t *K8 = J->f32 ? NULL : (const int8_t *)J->kc + bk * J->max_seq * 64;
-  const int8_t *V8 = J->f32 ? NULL : (const int8_t *)J->vc + bk * J->max_seq * 64;
+  const float *K = J->f32 ? (const float *)J->kc + bk * J->max_seq * D : NULL;
+  const int8_t *K8 = J->f32 ? NULL : (const int8_t *)J->kc + bk * J->max_seq * D;
+  const int8_t *V8 = J->f32 ? NULL : (const int8_t *)J->vc + bk * J->max_seq * D;
   for (int64_t blk = b0; blk < b1; blk++) {
-    float *to = J->kt + (bk * J->blocks + blk) * 64 * 16;
-    float *vto = J->f32 ? NULL : J->vw + (bk * J->blocks + blk) * 16 * 64;
+    float *to = J->kt + (bk * J->blocks + blk) * D * 16;
+    float *vto = J->f32 ? NULL : J->vw + (bk * J->blocks + blk) * 16 * D;
     for (int64_t j = 0; j < 16; j++) {
       const int64_t row = blk * 16 + j;
       if (row >= J->max_seq)
-        for (int64_t d = 0; d < 64; d++) to[d * 16 + j] = 0.f;
+        for (int64_t d = 0; d < D; d++) to[d * 16 + j] = 0.f;
       else if (K != NULL)
-        for (int64_t d = 0; d < 64; d++) to[d * 16 + j] = K[row * 64 + d];
+        for (int64_t d = 0; d < D; d++) to[d * 16 + j] = K[row * D + d];
       else
-        for (int64_t d = 0; d < 64; d++) to[d * 16 + j] = (float)K8[row * 64 + d];
+        for (int64_t d = 0; d < D; d++) to[d * 16 + j] = (float)K8[row * D + d];
       if (vto != NULL) /* the value row as it is held, as float; zeros past the cache */
-        for (int64_t d = 0; d < 64; d++) vto[j * 64 + d] = row < J->max_seq ? (float)V8[row * 64 + d] : 0.f;
+        for (int64_t d = 0; d < D; d++) vto[j * D + d] = row < J->max_seq ? (float)V8[row * D + d] : 0.f;
     }
   }
 }
 
-/* One group of up to PT_ROWS query rows: its queries, running softmax and weighted values. */
+/* One group of up to PT_ROWS query rows: its queries, running softmax and weighted values (PD channels used). */
 typedef struct {
-  float Q[PT_ROWS * 64] __attribute__((aligned(64)));
-  float O[PT_ROWS * 64] __attribute__((aligned(64)));
+  float Q[PT_ROWS * PT_MAX_D] __attribute__((aligned(64)));
+  float O[PT_ROWS * PT_MAX_D] __attribute__((aligned(64)));
   float m[PT_ROWS], l[PT_ROWS];
   int64_t last[PT_ROWS], s0, nr;
 } PGroup;
 
 /* keys k0 .. k0 + nk - 1 (nk <= PT_KEYS) for one group */
-__attribute__((target("avx512f,fma"))) static void prompt_step(const PJob *J, PGroup *R, const float *KT,
-                                                               const float *V, int64_t b, int64_t kvh, int64_t k0,
-                                                               int64_t nk, float *P) {
+__attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_step(const PJob *J, PGroup *R,
+                                                                                    const float *KT, const float *V,
+                                                                                    int64_t b, int64_t kvh, int64_t k0,
+                                                                                    int64_t nk, float *P, const int PD) {
   const int64_t G = J->G, nb = (nk + 15) / 16;
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   /* scores of every row against 16 keys at a time */
   for (int64_t sb = 0; sb < nb; sb++) {
-    const float *kt = KT + (k0 / 16 + sb) * 64 * 16;
+    const float *kt = KT + (k0 / 16 + sb) * PD * 16;
     __m512 acc[PT_ROWS];
 #pragma GCC unroll 24
     for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_setzero_ps();
-    for (int d = 0; d < 64; d++) {
+    for (int d = 0; d < PD; d++) {
       const __m512 kv = _mm512_load_ps(kt + d * 16);
 #pragma GCC unroll 24
-      for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(R->Q[r * 64 + d]), kv, acc[r]);
+      for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(R->Q[r * PD + d]), kv, acc[r]);
     }
 #pragma GCC unroll 24
     for (int r = 0; r < PT_ROWS; r++) _mm512_store_ps(P + r * PT_KEYS + sb * 16, acc[r]);
@@ -540,28 +543,28 @@ __attribute__((target("avx512f,fma"))) static void prompt_step(const PJob *J, PG
     R->l[r] = R->l[r] * alpha + _mm512_reduce_add_ps(sum);
     R->m[r] = mnew;
     if (alpha != 1.f)
-      for (int c = 0; c < 4; c++)
-        _mm512_store_ps(R->O + r * 64 + c * 16, _mm512_mul_ps(_mm512_load_ps(R->O + r * 64 + c * 16), _mm512_set1_ps(alpha)));
+      for (int c = 0; c < PD / 16; c++)
+        _mm512_store_ps(R->O + r * PD + c * 16, _mm512_mul_ps(_mm512_load_ps(R->O + r * PD + c * 16), _mm512_set1_ps(alpha)));
   }
   /* the weighted values, 16 channels at a time */
-  for (int c = 0; c < 4; c++) {
+  for (int c = 0; c < PD / 16; c++) {
     __m512 acc[PT_ROWS];
 #pragma GCC unroll 24
-    for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_load_ps(R->O + r * 64 + c * 16);
+    for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_load_ps(R->O + r * PD + c * 16);
     for (int64_t j = 0; j < nk; j++) {
-      const __m512 v = _mm512_loadu_ps(V + (k0 + j) * 64 + c * 16);
+      const __m512 v = _mm512_loadu_ps(V + (k0 + j) * PD + c * 16);
 #pragma GCC unroll 24
       for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(P[r * PT_KEYS + j]), v, acc[r]);
     }
 #pragma GCC unroll 24
-    for (int r = 0; r < PT_ROWS; r++) _mm512_store_ps(R->O + r * 64 + c * 16, acc[r]);
+    for (int r = 0; r < PT_ROWS; r++) _mm512_store_ps(R->O + r * PD + c * 16, acc[r]);
   }
 }
 
 #define PT_GROUPS 4 /* row groups a task takes, each 64-key step read once for all of them */
 
-__attribute__((target("avx512f,fma"))) static void prompt_task(void *data, size_t task) {
-  const PJob *J = (const PJob *)data;
+__attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_rows(const PJob *J, size_t task,
+                                                                                    const int PD) {
   const int64_t G = J->G, b = (int64_t)task / (J->KV * J->tiles), kvh = ((int64_t)task / J->tiles) % J->KV;
   const int64_t first = ((int64_t)task % J->tiles) * J->tok * PT_GROUPS; /* the task's first token */
   PGroup R[PT_GROUPS];
@@ -572,35 +575,43 @@ __attribute__((target("avx512f,fma"))) static void prompt_task(void *data, size_
     g_->s0 = first + q * J->tok;
     const int64_t ntok = J->S - g_->s0 < J->tok ? J->S - g_->s0 : J->tok;
     g_->nr = ntok * G;
-    memset(g_->Q, 0, sizeof(g_->Q));
-    memset(g_->O, 0, sizeof(g_->O));
+    memset(g_->Q, 0, sizeof(float) * PT_ROWS * PD);
+    memset(g_->O, 0, sizeof(float) * PT_ROWS * PD);
     for (int64_t r = 0; r < PT_ROWS; r++) {
       g_->m[r] = -INFINITY, g_->l[r] = 0.f, g_->last[r] = -1;
       if (r >= g_->nr) continue;
       const int64_t i = r / G, g = r % G;
-      memcpy(g_->Q + r * 64, J->q + ((b * J->S + g_->s0 + i) * J->H + kvh * G + g) * 64, 64 * sizeof(float));
+      memcpy(g_->Q + r * PD, J->q + ((b * J->S + g_->s0 + i) * J->H + kvh * G + g) * PD, PD * sizeof(float));
       g_->last[r] = J->last[b * J->S + g_->s0 + i];
       maxlast = g_->last[r] > maxlast ? g_->last[r] : maxlast;
     }
   }
-  const float *KT = J->kt + (b * J->KV + kvh) * J->blocks * 64 * 16;
-  const float *V = J->f32 ? (const float *)J->vc + (b * J->KV + kvh) * J->max_seq * 64
-                          : J->vw + (b * J->KV + kvh) * J->blocks * 16 * 64;
-  const float *vs = J->f32 ? NULL : J->vs + kvh * 64;
+  const float *KT = J->kt + (b * J->KV + kvh) * J->blocks * PD * 16;
+  const float *V = J->f32 ? (const float *)J->vc + (b * J->KV + kvh) * J->max_seq * PD
+                          : J->vw + (b * J->KV + kvh) * J->blocks * 16 * PD;
+  const float *vs = J->f32 ? NULL : J->vs + kvh * PD;
   for (int64_t k0 = 0; k0 <= maxlast; k0 += PT_KEYS) {
     const int64_t nk = maxlast + 1 - k0 < PT_KEYS ? maxlast + 1 - k0 : PT_KEYS;
-    for (int64_t q = 0; q < groups; q++) prompt_step(J, &R[q], KT, V, b, kvh, k0, nk, P);
+    for (int64_t q = 0; q < groups; q++) prompt_step(J, &R[q], KT, V, b, kvh, k0, nk, P, PD);
   }
   for (int64_t q = 0; q < groups; q++)
     for (int64_t r = 0; r < R[q].nr; r++) {
       const int64_t i = r / G, g = r % G;
-      float *o = J->out + ((b * J->S + R[q].s0 + i) * J->H + kvh * G + g) * 64;
+      float *o = J->out + ((b * J->S + R[q].s0 + i) * J->H + kvh * G + g) * PD;
       const float inv = R[q].l[r] > 0.f ? 1.f / R[q].l[r] : 0.f;
       if (vs == NULL)
-        for (int d = 0; d < 64; d++) o[d] = R[q].O[r * 64 + d] * inv;
+        for (int d = 0; d < PD; d++) o[d] = R[q].O[r * PD + d] * inv;
       else
-        for (int d = 0; d < 64; d++) o[d] = R[q].O[r * 64 + d] * inv * vs[d];
+        for (int d = 0; d < PD; d++) o[d] = R[q].O[r * PD + d] * inv * vs[d];
     }
+}
+
+__attribute__((target("avx512f,fma"))) static void prompt_task(void *data, size_t task) {
+  const PJob *J = (const PJob *)data;
+  if (J->D == 64)
+    prompt_rows(J, task, 64); /* each head size its own loops, unrolled */
+  else
+    prompt_rows(J, task, 128);
 }
 
 /* ---------------------------------------------------------------- ONNX Runtime glue */
@@ -780,7 +791,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   int64_t rows_held = 1;
   for (int64_t b = 0; b < B; b++) rows_held = seqlens[b] + 1 > rows_held ? seqlens[b] + 1 : rows_held;
   rows_held = rows_held < max_seq ? rows_held : max_seq;
-  const int prompt = k->isa == 2 && D == 64 && S > 1; /* the tiled prompt kernel takes it */
+  const int prompt = k->isa == 2 && (D == 64 || D == 128) && S > 1; /* the tiled prompt kernel takes it */
   const int64_t runs = (rows_held + RUN - 1) / RUN, tasks = prompt ? 0 : B * S * KV * runs;
   const size_t floats = (size_t)(2 * KV * D + B * S * H * D + 2 * D + tasks * G * (D + 2));
   int64_t *last = (int64_t *)malloc((size_t)(B * S) * sizeof(int64_t) + floats * sizeof(float));
@@ -837,10 +848,10 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   if (st == NULL && prompt) {
     const int64_t tok = PT_ROWS / G, blocks = (rows_held + 15) / 16;
     /* the transposed keys, and for an int8 cache its value rows as float after them */
-    const size_t copy = (size_t)(B * KV * blocks * 64 * 16);
+    const size_t copy = (size_t)(B * KV * blocks * D * 16);
     float *kt = (float *)aligned_alloc(64, (k->f32 ? 1 : 2) * copy * sizeof(float));
     if (kt == NULL) st = g_ort->CreateStatus(ORT_FAIL, "CacheAttention: out of memory");
-    PJob P = {B, S, H, KV, G, max_seq, tok, (S + tok * PT_GROUPS - 1) / (tok * PT_GROUPS), blocks, kc, vc, kt,
+    PJob P = {B, S, H, KV, G, D, max_seq, tok, (S + tok * PT_GROUPS - 1) / (tok * PT_GROUPS), blocks, kc, vc, kt,
               k->f32 || kt == NULL ? NULL : kt + copy, vs, k->f32, qs, last, bias, bb, bh, bsd, (float *)outp};
     if (st == NULL)
       st = g_ort->KernelContext_ParallelFor(
