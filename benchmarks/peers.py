@@ -464,6 +464,8 @@ def _step_blocks(workers: list[Worker], p: int, a: argparse.Namespace) -> dict:
 
 
 def bench(a: argparse.Namespace) -> None:
+    if a.step_blocks < 0:
+        sys.exit(f"error: --step-blocks takes a number of decode steps (1 or more), not {a.step_blocks}")
     specs = [(label, *system_spec(label, a.ov_kv)) for label in a.systems]
     paths = [Path(label) for label, _, _ in specs]
     prompts = [int(x) for x in a.prompt_lens.split(",")]
@@ -508,7 +510,8 @@ def bench(a: argparse.Namespace) -> None:
                       if "decode_ratio_quartiles" in v else "")
             same = (f"  same tokens as the first {v['same_tokens_as_first']}/{v['tokens_compared']}"
                     if "same_tokens_as_first" in v else "")
-            print(f"  {Path(key).name:28s} decode {v['decode_tok_s']:7.1f} tok/s  x{v['decode_ratio_vs_first']:.{digits}f}{spread}   "
+            ratio = f"x{v['decode_ratio_vs_first']:.{digits}f}{spread}"
+            print(f"  {Path(key).name:28s} decode {v['decode_tok_s']:7.1f} tok/s  {ratio}   "
                   f"ttft {v['ttft_s'] * 1e3:8.1f} ms  x{v['ttft_ratio_vs_first']:.2f} "
                   f"(per-round median x{v['ttft_ratio_vs_first_median_round']:.2f}){short}{same}")
 

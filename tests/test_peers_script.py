@@ -90,3 +90,10 @@ def test_rounds_stay_the_default_timing(artifacts) -> None:  # type: ignore[no-u
     row = report["prompts"]["7"][art]
     assert report["timing"] == "rounds" and len(row["decode_tok_s_per_round"]) == 2
     assert row["decode_ratio_vs_first"] == 1.0 and "paired_steps" not in row
+
+
+def test_a_negative_block_is_refused_before_any_worker_starts(artifacts) -> None:  # type: ignore[no-untyped-def]
+    p = subprocess.run([sys.executable, str(SCRIPT), "bench", str(artifacts["llama"]), "--step-blocks", "-2"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--step-blocks takes a number of decode steps" in p.stderr
+    assert "[kvexport]" not in p.stdout  # no worker was loaded

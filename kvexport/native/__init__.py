@@ -272,8 +272,9 @@ def _head_size(graph: Any, name: str) -> int:
 
 def _int8_prompts_to_the_op(graph: Any) -> int:
     """Where every If on the int8 engine's "several new tokens" condition (kvexport.backends.cpu_kv) holds the int8
-    op in its one-token branch at a head size the tiled kernel takes (TILED_HEAD_SIZES), feed those Ifs "several new tokens in several batch rows" instead,
-    so that one row's prompt runs the op's tiled kernel and several rows' keep the fp32 form; the number rewired."""
+    op in its one-token branch at a head size the tiled kernel takes (TILED_HEAD_SIZES), feed those Ifs "several
+    new tokens in several batch rows" instead, so that one row's prompt runs the op's tiled kernel and several
+    rows' keep the fp32 form; the number rewired."""
     from onnx import TensorProto, helper
 
     from kvexport.backends.cpu_kv import PREFIX
@@ -304,9 +305,9 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
     ai.kvexport.QMatMul, and with `attention` each GroupQueryAttention over an int8 cache the attention op takes
     into ai.kvexport.Int8CacheAttention, in place, in every subgraph, and each one over the main graph's float
     caches that the fp32 op takes under an If that runs ai.kvexport.Fp32CacheAttention for one new token
-    (_one_token_branch; on `attention_isa` avx512, at a head size in TILED_HEAD_SIZES, also for a prompt of one batch row, which
-    its tiled kernel takes; the int8 engine's own Ifs likewise, _int8_prompts_to_the_op); the numbers swapped
-    (matmuls, attentions of either kind).
+    (_one_token_branch; on `attention_isa` avx512, at a head size in TILED_HEAD_SIZES, also for a prompt of one
+    batch row, which its tiled kernel takes; the int8 engine's own Ifs likewise, _int8_prompts_to_the_op); the
+    numbers swapped (matmuls, attentions of either kind).
     `huge_pages`: whether the matmul kernel asks for huge pages for its packed weights."""
     from onnx import helper
 
