@@ -41,6 +41,9 @@ OPTIONS = (
     Option("paged_prefill_min", "int", None, "a fresh one-row prompt of at least this many tokens is prefilled and "
            "decoded through OpenVINO paged attention (default 1: every one; shorter ones take the fused attention "
            "with state)", phase="load"),
+    Option("paged_split", "bool", False, "the paged-attention form runs each packed q|k|v and gate|up projection as "
+           "one matmul per piece: prompts a few percent faster at thousands of tokens, decode steps 2-8% slower, and "
+           "f32 weights' projections copied into the process", phase="load"),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
            "where every layer slides); false keeps them full length, on the fused attention and paged attention"),
     Option("int4_sym", "bool", False, "int4 weights symmetric (NNCF INT4_SYM, no zero points) instead of "
@@ -265,10 +268,11 @@ class IntelBackend(Backend):
         from kvexport_intel import lowering
 
         unknown = sorted(set(options) - {"kv_precision", "numa_node", "numa_bind", "precision", "batch_rows",
-                                         "paged_prefill_min", "paged_compile"})
+                                         "paged_prefill_min", "paged_compile", "paged_split"})
         if unknown:
             raise InputError(f"the intel target takes threads=N, precision, kv_precision, numa_node, numa_bind, "
-                             f"batch_rows, paged_prefill_min and paged_compile; not {unknown}")
+                             f"batch_rows, paged_prefill_min, paged_compile and paged_split; not {unknown}")
+        paged_split = parse_bool("paged_split", options.get("paged_split", False))
         paged_min = parse_option(next(o for o in OPTIONS if o.name == "paged_prefill_min"),
                                  options.get("paged_prefill_min"))
         if paged_min is not None and paged_min < 1:
@@ -315,6 +319,7 @@ class IntelBackend(Backend):
         session.batch_rows = str(options.get("batch_rows") or "paged")
         if paged_min is not None:
             session.paged_prefill_min = paged_min
+        session.paged_split = facts["paged_split"] = paged_split
         session.state_names = [past for past, _ in manifest.kv_pairs()]  # layer by layer, key then value
         session.windows = [manifest.config.window_of(i) for i in range(manifest.config.num_hidden_layers)]
         eager = (options.get("paged_compile") or "load") == "load"

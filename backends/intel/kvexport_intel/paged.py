@@ -39,13 +39,15 @@ PA_OP = "PagedAttentionExtension"
 KEY_CACHE, SLIDING_WINDOW = 3, 10  # PagedAttentionExtension's input ports (OpenVINO 2026.4)
 
 
-def to_paged(model: Any, windows: Sequence[int | None], split_packed: bool = True) -> str | None:
+def to_paged(model: Any, windows: Sequence[int | None], split_packed: bool = False) -> str | None:
     """Apply OpenVINO's SDPA-to-paged-attention transformation to `model` in place; returns why the
     result cannot serve as batched rows (None: it can). Every attention layer must have become a
     PagedAttentionExtension, no state may be left, and the inputs must be the ones PagedRows drives.
     windows[i]: layer i's sliding window (None: the whole past). The IR carries a window in its mask,
     which paged attention does not read, so each sliding layer's op gets it as its `sliding_window`
-    input (a key at most window - 1 positions behind the query is seen, as in transformers)."""
+    input (a key at most window - 1 positions behind the query is seen, as in transformers). split_packed: cut
+    the packed q|k|v and gate|up projections into one MatMul per piece (split_packed_matmuls; the load option
+    paged_split)."""
     import openvino.opset13 as opset
     from openvino._offline_transformations import paged_attention_transformation
 
@@ -82,13 +84,16 @@ def to_paged(model: Any, windows: Sequence[int | None], split_packed: bool = Tru
 
 
 def split_packed_matmuls(model: Any) -> int:
-    """Replace each f32 MatMul whose only use is a VariadicSplit of its last axis (the IR's packed q|k|v and gate|up
+    """Replace each MatMul whose only use is a VariadicSplit of its last axis (the IR's packed q|k|v and gate|up
     projections) by one MatMul per piece over that piece's rows of the weight. On a prompt the plugin runs the split
     as a reference copy of every token's whole projection (PERF_COUNT over a 4096-token paged prefill of bench-125m:
-    VariadicSplit ~2% of node time, AMD EPYC Zen 3 AVX2); separate MatMuls write each piece where it is used, as
-    optimum-intel's IR (separate q/k/v and gate/up projections) does. Compressed weights (a Constant behind
-    Convert/Multiply) and MatMuls with uses other than the split and the ShapeOf of its lengths are left alone.
-    Returns how many were split."""
+    VariadicSplit ~2% of node time, AMD EPYC Zen 3 AVX2; 3% with int4 weights on a Zen 4, where the gate's Swish
+    also stayed a node of its own instead of joining its matmul); separate MatMuls write each piece where it is
+    used, as optimum-intel's IR (separate q/k/v and gate/up projections) does. The weight is an f32 Constant, or
+    compressed (NNCF's int8/int4: Constant -> Convert -> [Subtract zero point] -> Multiply scale -> [Reshape] ->
+    [Convert]), whose weight, zero point and scale constants are cut along their output rows alike (_weight_rows).
+    MatMuls with uses other than the split and the ShapeOf of its lengths, or a weight of another form, are left
+    alone. Returns how many were split."""
     import openvino.opset13 as opset
 
     done = 0
@@ -96,36 +101,86 @@ def split_packed_matmuls(model: Any) -> int:
         mm, axis = split.input_value(0).get_node(), split.input_value(1).get_node()
         if mm.get_type_name() != "MatMul" or axis.get_type_name() != "Constant":
             continue
-        weight = mm.input_value(1).get_node()
         attrs = mm.get_attributes()
         others = [t.get_node().get_type_name() for t in mm.output(0).get_target_inputs()]
-        if (weight.get_type_name() != "Constant" or attrs["transpose_a"] or not attrs["transpose_b"]
-                or weight.get_element_type().get_type_name() != "f32" or others.count("VariadicSplit") != 1
+        if (attrs["transpose_a"] or not attrs["transpose_b"] or others.count("VariadicSplit") != 1
                 or set(others) - {"VariadicSplit", "ShapeOf"}):
             continue
         rank = mm.get_output_partial_shape(0).rank.get_length()
-        if int(axis.get_data()) not in (-1, rank - 1):
+        total = mm.get_input_partial_shape(1)[0]
+        if int(axis.get_data()) not in (-1, rank - 1) or not total.is_static:
             continue
-        w = weight.get_data()  # (out, in): transpose_b
+        total = total.get_length()
         # the lengths: constants, or computed from the MatMul's static last dim (torch.chunk's ShapeOf arithmetic)
         sizes = _static_values(split.input_value(2))
         if sizes is None:
             continue
         if sizes.count(-1) == 1:
-            sizes[sizes.index(-1)] = w.shape[0] - sum(sizes) - 1
-        if min(sizes) <= 0 or sum(sizes) != w.shape[0]:
+            sizes[sizes.index(-1)] = total - sum(sizes) - 1
+        if min(sizes) <= 0 or sum(sizes) != total:
             continue
-        start = 0
-        for out, n in zip(split.outputs(), sizes):
-            rows = opset.constant(np.ascontiguousarray(w[start:start + n]))
-            piece = opset.matmul(mm.input_value(0), rows, False, True)
+        starts = np.cumsum([0, *sizes[:-1]])
+        weights = [_weight_rows(mm.input_value(1), int(s), n, total) for s, n in zip(starts, sizes)]
+        if any(w is None for w in weights):
+            continue
+        for out, weight, start in zip(split.outputs(), weights, starts):
+            piece = opset.matmul(mm.input_value(0), weight, False, True)
             piece.set_friendly_name(f"{mm.get_friendly_name()}/{start}")
             out.replace(piece.output(0))
-            start += n
         done += 1
     if done:
         model.validate_nodes_and_infer_types()
     return done
+
+
+_DECOMPRESSION = ("Convert", "Subtract", "Multiply", "Reshape")  # the ops between a compressed weight and its MatMul
+
+
+def _weight_rows(value: Any, start: int, n: int, total: int) -> Any:
+    """Rows start..start+n of a MatMul's (total, in) weight `value`, rebuilt as the same ops over cut constants
+    (an f32 Constant, or a compressed weight's decompression); None where the weight takes another form or a
+    constant cannot be cut at a byte (an odd count of 4-bit values a row)."""
+    import openvino as ov
+    import openvino.opset13 as opset
+
+    node = value.get_node()
+    kind = node.get_type_name()
+    if kind == "Constant":
+        shape = list(node.get_output_shape(0))
+        if not shape or shape[0] == 1:  # a scalar or a row broadcast over every output row: the same for each piece
+            return value
+        etype = node.get_element_type()
+        bits = etype.bitwidth
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        if shape[0] != total or row * bits % 8:
+            return None
+        raw = np.ascontiguousarray(node.get_data()).view(np.uint8).reshape(-1)  # its bytes, not a copy
+        size = row * bits // 8
+        cut = ov.Tensor(etype, [n, *shape[1:]])
+        cut.data.view(np.uint8).reshape(-1)[:] = raw[start * size:(start + n) * size]
+        return opset.constant(cut).output(0)
+    if kind not in _DECOMPRESSION:
+        return None
+    if kind == "Reshape":
+        target = node.input_value(1).get_node()
+        if target.get_type_name() != "Constant":
+            return None
+        dims = [int(d) for d in np.ravel(target.get_data())]
+        if not dims or dims[0] != total:
+            return None
+        data = _weight_rows(node.input_value(0), start, n, total)
+        if data is None:
+            return None
+        shape = opset.constant(np.array([n, *dims[1:]], dtype=target.get_data().dtype))
+        return opset.reshape(data, shape, node.get_attributes()["special_zero"]).output(0)
+    inputs = [_weight_rows(i, start, n, total) for i in node.input_values()]
+    if any(i is None for i in inputs):
+        return None
+    if kind == "Convert":
+        return opset.convert(inputs[0], node.get_output_element_type(0)).output(0)
+    if node.get_attributes().get("auto_broadcast", "numpy") != "numpy":
+        return None
+    return (opset.subtract if kind == "Subtract" else opset.multiply)(*inputs).output(0)
 
 
 def _static_values(value: Any) -> list[int] | None:

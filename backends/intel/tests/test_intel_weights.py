@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +108,37 @@ def test_compressed_engines_keep_the_fused_stateful_attention(mode: str, builds:
     else:  # int4 in the blocks; the embedding and lm_head in NNCF's int8 backup, as optimum-intel leaves them
         assert weights["compressed_weights"] == {"int4": 4 * layers, "int8": 2}
         assert weights["mode"] == "INT4_ASYM" and weights["group_size"] == 128
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4-g128"])
+def test_paged_form_splits_compressed_packed_projections(mode: str, builds: _Builds) -> None:
+    """The paged form cuts a compressed packed q|k|v or gate|up weight (its int8/int4 values, zero points and
+    scales) into one compressed MatMul per piece, as it does an f32 one: no VariadicSplit left on a matmul, every
+    piece still compressed (the plugin's FullyConnectedCompressed), and the logits of the packed form's run."""
+    import openvino as ov
+
+    from kvexport_intel.paged import PagedRows, to_paged
+
+    engine = kvexport.load(str(builds[mode]), precision="fp32")
+    layers, core = engine.session.num_layers, ov.Core()
+    ids = np.random.default_rng(4).integers(0, engine.vocab_size, 40)
+    logits, runs = [], []
+    for split in (False, True):
+        model = core.read_model(engine.session.model_path)
+        assert to_paged(model, engine.session.windows, split_packed=split) is None
+        packed = sum(op.get_type_name() == "VariadicSplit" and op.input_value(0).get_node().get_type_name() == "MatMul"
+                     for op in model.get_ordered_ops())
+        assert packed == (0 if split else 2 * layers)
+        compiled = core.compile_model(model, "CPU", {**engine.session.compile_config, "PERF_COUNT": True})
+        rows = PagedRows(compiled, rows=1, max_seq=MAX_SEQ, num_layers=layers, vocab_size=engine.vocab_size)
+        logits.append(rows.extend(0, ids).copy())
+        runs.append(Counter(p.node_type for p in rows.request.profiling_info))  # what ran, by the plugin's names
+    # q|k|v into three, gate|up into two: three compressed matmuls more a layer, none decompressed to run in f32
+    assert runs[1]["FullyConnectedCompressed"] == runs[0]["FullyConnectedCompressed"] + 3 * layers
+    assert runs[1]["FullyConnected"] == runs[0]["FullyConnected"]
+    assert runs[0]["VariadicSplit"] >= 2 * layers and runs[1]["VariadicSplit"] == runs[0]["VariadicSplit"] - 2 * layers
+    gap = float(np.abs(logits[0] - logits[1]).max())
+    assert gap <= 1e-3 * float(np.abs(logits[0]).max()), gap  # the same weights, summed in another split
 
 
 def test_rope_tables_stay_f32_when_weights_are_compressed(builds: _Builds) -> None:
