@@ -303,3 +303,24 @@ def test_paged_form_splits_the_packed_projections(intel_artifacts: dict) -> None
     assert counts[1] == counts[0] + 3 * layers  # q|k|v into three, gate|up into two; no packed MatMul left running
     gap = float(np.abs(logits[0] - logits[1]).max())
     assert gap <= tolerance("intel", "fp32").max_abs_logit, gap
+
+
+def test_the_load_option_paged_split_chooses_the_paged_forms_projections(intel_artifacts: dict) -> None:
+    """Packed by default (each request decodes paged, where the pieces cost a step more than they save a prompt);
+    paged_split=true cuts them in the compiled paged form, with the packed form's greedy tokens; a value that is not
+    a boolean is refused at load."""
+    from kvexport_intel import lowering
+
+    _, art = intel_artifacts["llama"]
+    splits, tokens = [], []
+    for value in (None, "true"):
+        engine = kvexport.load(str(art), precision="fp32", **({"paged_split": value} if value else {}))
+        compiled, why = engine.session.paged_model()
+        assert why is None
+        assert engine.session.describe()["paged_split"] is (value == "true")
+        splits.append(lowering.runtime_op_counts(compiled)["Split"])
+        tokens.append(engine.generate(prompt_ids(PROMPT, seed=12), max_new_tokens=8).token_ids)
+    assert splits[0] >= 2 * engine.session.num_layers and splits[1] == splits[0] - 2 * engine.session.num_layers
+    assert tokens[0] == tokens[1]
+    with pytest.raises(InputError, match="paged_split"):
+        kvexport.load(str(art), paged_split="sometimes")
