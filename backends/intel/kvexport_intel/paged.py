@@ -223,6 +223,7 @@ class PagedRows(Rows):
     """`rows` rows over one compiled paged-attention model: one infer per decode step for every running row."""
 
     batched = True
+    bind_one_token_steps = True  # False: every step hands infer() fresh arrays (_one_token_inputs says why not)
 
     def __init__(self, compiled: Any, *, rows: int, max_seq: int, num_layers: int, vocab_size: int):
         import openvino as ov
@@ -254,6 +255,14 @@ class PagedRows(Rows):
         self.tables: list[list[int]] = [[] for _ in range(rows)]
         self.ids_rank = len(compiled.input("input_ids").get_partial_shape())
         self.vocab_size = vocab_size
+        # a step of one token a row writes its inputs into these and binds them to the request only when a shape
+        # changes (_one_token_inputs); None: another call's inputs are bound
+        n = rows
+        self._one = {"input_ids": np.zeros(n, np.int64), "position_ids": np.zeros(n, np.int64),
+                     "past_lens": np.zeros(n, np.int32), "subsequence_begins": np.arange(n + 1, dtype=np.int32),
+                     "block_indices": np.zeros(self.num_blocks, np.int32),
+                     "block_indices_begins": np.zeros(n + 1, np.int32), "max_context_len": np.zeros((), np.int32)}
+        self._bound: tuple[int, int] | None = None
 
     # --- blocks -----------------------------------------------------------------------------
     def cache_bytes(self) -> int:
@@ -280,6 +289,12 @@ class PagedRows(Rows):
         past = self.held[rows]
         for r, h, c in zip(rows, past, counts):
             self._grow(int(r), int(h + c))
+        if self.bind_one_token_steps and len(ids) == len(rows) and int(counts.max()) == 1:  # a decode step
+            self._one_token_inputs(rows, ids, past)
+            self.request.infer(share_outputs=True)
+            self.held[rows] = past + 1
+            return self.request.get_output_tensor(0).data.reshape(-1, self.vocab_size)
+        self._bound = None  # the call below binds its own arrays
         pos = np.concatenate([np.arange(h, h + c) for h, c in zip(past, counts)])
         tables = [self.tables[int(r)] for r in rows]
         inputs = {
@@ -294,6 +309,34 @@ class PagedRows(Rows):
         self.request.infer(inputs, share_inputs=True, share_outputs=True)
         self.held[rows] = past + counts
         return self.request.get_output_tensor(0).data.reshape(-1, self.vocab_size)  # (T, V)
+
+    def _one_token_inputs(self, rows: np.ndarray, ids: np.ndarray, past: np.ndarray) -> None:
+        """Write a one-token-a-row step's inputs into the buffers bound to the request, binding views of them
+        (set_tensor) only where the rows' count or their blocks' total changed since the last such step. Fresh
+        arrays handed to infer() go through OpenVINO's Python input dispatch every step: 390 us a step of a tiny
+        model's paged form against 185 us bound once (AMD EPYC Zen 4), ~3% of a bench-125m decode step."""
+        import openvino as ov
+
+        n, one = len(rows), self._one
+        tables = [self.tables[int(r)] for r in rows]
+        begins = one["block_indices_begins"]
+        begins[1:n + 1] = np.cumsum([len(t) for t in tables])
+        total = int(begins[n])
+        one["block_indices"][:total] = tables[0] if n == 1 else np.concatenate(tables)
+        one["input_ids"][:n] = ids
+        one["position_ids"][:n] = past
+        one["past_lens"][:n] = past
+        one["max_context_len"][...] = int(past.max()) + 1
+        if self._bound != (n, total):
+            tail = (1,) * (self.ids_rank - 1)
+            views = {"input_ids": one["input_ids"][:n].reshape((n, *tail)),
+                     "position_ids": one["position_ids"][:n].reshape((n, *tail)),
+                     "past_lens": one["past_lens"][:n], "subsequence_begins": one["subsequence_begins"][:n + 1],
+                     "block_indices": one["block_indices"][:total], "block_indices_begins": begins[:n + 1],
+                     "max_context_len": one["max_context_len"]}
+            for name, view in views.items():
+                self.request.set_tensor(name, ov.Tensor(view, shared_memory=True))
+            self._bound = (n, total)
 
     # --- rows ---------------------------------------------------------------------------------
     def reset(self, row: int, capacity: int) -> None:

@@ -148,3 +148,22 @@ def test_lossy_cache_rows_are_paged_each_as_alone(intel_artifacts: dict, kv: str
         ref = greedy_logits(engine, prompt, n_new)
         same = int(np.argmin(np.append(ref.argmax(-1) == got[i].argmax(-1), False)))  # steps on one token path
         assert same >= 1 and np.abs(ref[:same] - got[i][:same]).max() < 0.1, (i, same)
+
+
+def test_one_token_steps_on_bound_inputs_equal_fresh_ones(intel_artifacts: dict) -> None:
+    """Decode steps write their inputs into buffers bound to the request once (rebound where the rows' count or
+    blocks change) instead of handing infer() fresh arrays each step: the same logits exactly, rows joining at
+    different steps and crossing block boundaries, and the bound views follow the rows' blocks."""
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art), precision="fp32")
+    prompts = [prompt_ids(n, seed=n) for n in (5, 30, 40)]  # 30 + 40 new tokens: into a third block of 32
+    got, bound = [], []
+    for bind in (False, True):
+        rows = rows_for(engine.session, 4)
+        rows.bind_one_token_steps = bind
+        got.append(run_staggered(rows, prompts, 40, where=[2, 0, 3], chunk=7))
+        bound.append(rows._bound)
+        rows.release()
+    assert bound[0] is None and bound[1] is not None
+    for fresh, kept in zip(*got):
+        assert np.array_equal(np.asarray(fresh), np.asarray(kept))
