@@ -257,11 +257,10 @@ class PagedRows(Rows):
         self.vocab_size = vocab_size
         # a step of one token a row writes its inputs into these and binds them to the request only when a shape
         # changes (_one_token_inputs); None: another call's inputs are bound
-        n = rows
-        self._one = {"input_ids": np.zeros(n, np.int64), "position_ids": np.zeros(n, np.int64),
-                     "past_lens": np.zeros(n, np.int32), "subsequence_begins": np.arange(n + 1, dtype=np.int32),
+        self._one = {"input_ids": np.zeros(rows, np.int64), "position_ids": np.zeros(rows, np.int64),
+                     "past_lens": np.zeros(rows, np.int32), "subsequence_begins": np.arange(rows + 1, dtype=np.int32),
                      "block_indices": np.zeros(self.num_blocks, np.int32),
-                     "block_indices_begins": np.zeros(n + 1, np.int32), "max_context_len": np.zeros((), np.int32)}
+                     "block_indices_begins": np.zeros(rows + 1, np.int32), "max_context_len": np.zeros((), np.int32)}
         self._bound: tuple[int, int] | None = None
 
     # --- blocks -----------------------------------------------------------------------------
@@ -292,29 +291,34 @@ class PagedRows(Rows):
         if self.bind_one_token_steps and len(ids) == len(rows) and int(counts.max()) == 1:  # a decode step
             self._one_token_inputs(rows, ids, past)
             self.request.infer(share_outputs=True)
-            self.held[rows] = past + 1
-            return self.request.get_output_tensor(0).data.reshape(-1, self.vocab_size)
-        self._bound = None  # the call below binds its own arrays
+        else:
+            self._bound = None  # the fresh arrays replace the bound ones
+            self.request.infer(self._fresh_inputs(rows, ids, counts, past), share_inputs=True, share_outputs=True)
+        self.held[rows] = past + counts
+        return self.request.get_output_tensor(0).data.reshape(-1, self.vocab_size)  # (T, V)
+
+    def _fresh_inputs(self, rows: np.ndarray, ids: np.ndarray, counts: np.ndarray,
+                      past: np.ndarray) -> dict[str, np.ndarray]:
+        """A step's inputs as new arrays: any number of tokens a row (prompts, chunks)."""
+        tail = (1,) * (self.ids_rank - 1)
         pos = np.concatenate([np.arange(h, h + c) for h, c in zip(past, counts)])
         tables = [self.tables[int(r)] for r in rows]
-        inputs = {
-            "input_ids": np.ascontiguousarray(ids, dtype=np.int64).reshape((-1,) + (1,) * (self.ids_rank - 1)),
-            "position_ids": pos.astype(np.int64).reshape((-1,) + (1,) * (self.ids_rank - 1)),
+        return {
+            "input_ids": np.ascontiguousarray(ids, dtype=np.int64).reshape((-1, *tail)),
+            "position_ids": pos.astype(np.int64).reshape((-1, *tail)),
             "past_lens": past.astype(np.int32),
             "subsequence_begins": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
             "block_indices": np.concatenate([np.asarray(t, dtype=np.int32) for t in tables]),
             "block_indices_begins": np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int32),
             "max_context_len": np.array(int((past + counts).max()), dtype=np.int32),
         }
-        self.request.infer(inputs, share_inputs=True, share_outputs=True)
-        self.held[rows] = past + counts
-        return self.request.get_output_tensor(0).data.reshape(-1, self.vocab_size)  # (T, V)
 
     def _one_token_inputs(self, rows: np.ndarray, ids: np.ndarray, past: np.ndarray) -> None:
         """Write a one-token-a-row step's inputs into the buffers bound to the request, binding views of them
         (set_tensor) only where the rows' count or their blocks' total changed since the last such step. Fresh
-        arrays handed to infer() go through OpenVINO's Python input dispatch every step: 390 us a step of a tiny
-        model's paged form against 185 us bound once (AMD EPYC Zen 4), ~3% of a bench-125m decode step."""
+        arrays handed to infer() go through OpenVINO's Python input dispatch and give the plugin new input tensors
+        every step: a tiny model's paged step took 390 us that way against 185 us bound once, and bench-125m decoded
+        1.04-1.12x faster bound (AMD EPYC Zen 4, docs/backends/intel.md)."""
         import openvino as ov
 
         n, one = len(rows), self._one
