@@ -18,7 +18,8 @@ from kvexport_intel.session import KV_ITEM_BYTES, LOSSLESS_KV, IntelSession
 
 ENGINE_DIR = "engine"
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16"}
-KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
+# i8: kvexport's own int8 blocks under its own paged-attention op (kvexport_intel.int8_blocks), a load option only
+KV_PRECISIONS = ("f32", "f16", "bf16", "u8", "i8")
 KV_MODES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "u8"}  # --kv -> OpenVINO's KV_CACHE_PRECISION
 # --weights: fp32/bf16 are OpenVINO's INFERENCE_PRECISION_HINT over f32 weights; int8/int4 are NNCF-compressed
 # weights (kvexport_intel.compress), their activations in the CPU's own precision
@@ -27,8 +28,9 @@ OPTIONS = (
     Option("numa_node", "str", None, "pin threads and memory to this NUMA node (a number, or auto)", phase="both"),
     Option("numa_bind", "bool", True, "bind memory to the NUMA node the threads are pinned to", phase="both"),
     Option("engine", "str", "openvino", "the engine to build (IPEX is end-of-life)", choices=("openvino", "ipex")),
-    Option("kv_precision", "str", None, "load the cache in another precision than built (f32, f16, bf16, u8); at build "
-           "it is another name for --kv", choices=KV_PRECISIONS, phase="load"),
+    Option("kv_precision", "str", None, "load the cache in another precision than built (f32, f16, bf16, u8, or i8: "
+           "kvexport's int8 blocks, one f32 scale per token and head, for paged requests); at build it is another "
+           "name for --kv", choices=KV_PRECISIONS, phase="load"),
     Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
            phase="load"),
     Option("batch_rows", "str", "paged", "how the serving scheduler batches requests: paged (OpenVINO paged "
@@ -390,7 +392,11 @@ def _activations(weights: str, flags: set[str]) -> str:
 def _build_kv(options: BuildOptions) -> str:
     """The cache precision a build asks for, in OpenVINO's words: core hands --kv (or --option kv_precision, its
     alias) in options.kv; a direct caller of build may still pass kv_precision in options.extra."""
-    return _kv_precision(options.extra.get("kv_precision") or KV_MODES[options.kv or "fp32"])
+    kv = _kv_precision(options.extra.get("kv_precision") or KV_MODES[options.kv or "fp32"])
+    if kv == "i8":
+        raise InputError("kv_precision=i8 is chosen when an artifact is loaded, not built: build with --kv int8 and "
+                         "load it with --option kv_precision=i8 (run, verify, bench, serve)")
+    return kv
 
 
 def _weights_mode(options: BuildOptions) -> str | None:
@@ -407,6 +413,7 @@ def _weights_mode(options: BuildOptions) -> str | None:
 
 
 def _compile_config(precision: str, kv: str, threads: int, pinned: bool, compressed: bool = False) -> dict[str, Any]:
+    kv = "u8" if kv == "i8" else kv  # the state has no i8: an i8 engine's stateful calls hold OpenVINO's u8
     config: dict[str, Any] = {
         "INFERENCE_PRECISION_HINT": OV_PRECISION[precision],
         "KV_CACHE_PRECISION": kv,  # OpenVINO's default is u8 on x86: set it, or f32 is not exact

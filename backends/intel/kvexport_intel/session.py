@@ -20,7 +20,7 @@ from kvexport.runtime.session import Session
 # to -inf in bf16).
 MASKED = np.float32(-1e30)
 # Bytes per cached element by cache precision (the storage layout; OpenVINO does not report it).
-KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1}
+KV_ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1}
 # caches that lose nothing: f32, and bf16, which is held only under bf16 activations
 LOSSLESS_KV = ("f32", "bf16")
 # A fresh batch-1 prompt of at least this many tokens (by default every one) is prefilled through the engine's
@@ -191,6 +191,14 @@ class IntelSession(Session):
         if config.get("KEY_CACHE_PRECISION") == "u8":
             config = {**config, "KEY_CACHE_QUANT_MODE": PAGED_KEY_QUANT}
         why, compiled = to_paged(model, self.windows, split_packed=self.paged_split), None
+        if why is None and self.facts.get("kv_precision") == "i8":
+            from kvexport_intel.int8_blocks import library, to_int8_blocks
+
+            lib = library()  # BackendUnavailableError where it cannot be compiled
+            core.add_extension(str(lib))
+            swapped = to_int8_blocks(model, heads=_query_width(model) // self.head_dim, kv_heads=self.kv_heads,
+                                     head_dim=self.head_dim, lib=lib)
+            self.facts["paged_attention"] = f"kvexport's Int8PagedAttention over int8 blocks ({swapped} layers)"
         if why is None:
             try:
                 compiled = core.compile_model(model, "CPU", config)
@@ -382,9 +390,10 @@ class IntelSession(Session):
         return logits
 
     def _quantized_blocks(self) -> bool:
-        """Whether this engine's paged blocks are quantized (u8): values plus scales and zero points in the plugin's
-        own block layout, which OpenVINO does not document and gives no way to read back."""
-        return self.compile_config.get("KEY_CACHE_PRECISION", "f32") == "u8"
+        """Whether this engine's paged blocks are quantized: u8 (values, scales and zero points in the plugin's own
+        block layout, which OpenVINO does not document and gives no way to read back), or i8, whose state is u8: a
+        hand-over re-runs the request's tokens rather than rounding them twice."""
+        return self.compile_config.get("KEY_CACHE_PRECISION", "f32") == "u8"  # i8 engines compile their state u8
 
     def _hand_over(self, state: IntelState) -> None:
         """Move a paged request into its state variables and free its blocks: the state holds the request now.
@@ -419,6 +428,14 @@ class IntelSession(Session):
         self._give_back(rows)
         state.rows = None
         state.run_seconds += time.perf_counter() - t0
+
+
+def _query_width(model: Any) -> int:
+    """The paged model's query width, heads x head_dim: the first PagedAttentionExtension's query input (T, H*D)."""
+    from kvexport_intel.paged import PA_OP
+
+    op = next(op for op in model.get_ordered_ops() if op.get_type_name() == PA_OP)
+    return int(op.get_input_partial_shape(0)[1].get_length())
 
 
 def _causal_run(position_ids: np.ndarray, attention_mask: np.ndarray, past: int) -> bool:

@@ -1,0 +1,136 @@
+"""The intel target's `i8` cache: kvexport's own int8 blocks under its own paged-attention op.
+
+OpenVINO 2026.4's only 8-bit cache (`u8`) stores an f32 scale and an f32 zero point per token and head: 72 bytes per
+64 values at head_dim 64, 0.281x an f32 cache. Its `KV_CACHE_PRECISION` has no symmetric int8, and a scale group
+wider than the head does not compile. The `i8` cache stores each token's key and value for one KV head as head_dim
+int8 values with one f32 scale (68 bytes per 64: 0.266x), through the op `kvexport.Int8PagedAttention`
+(kvexport_intel/native/int8_paged_attention.cpp), which replaces each PagedAttentionExtension of the engine's paged
+form (kvexport_intel.paged.to_paged) and takes the same sequence inputs.
+
+The op is an OpenVINO extension library compiled from that one source file the first time an `i8` engine compiles
+its paged form, with the C++ compiler on PATH (`c++`, or $CXX) against the headers the openvino wheel ships, for the
+CPU it runs on (-march=native), and kept under $KVEXPORT_CACHE_DIR (default ~/.cache/kvexport) by a name that
+holds the source's hash, OpenVINO's version and the CPU's flags: about 3 s once. Nothing of it comes from an
+artifact. The state (batches, rings) has no such cache: an `i8` engine's stateful calls hold OpenVINO's u8.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvexport.errors import BackendUnavailableError
+
+SOURCE = Path(__file__).parent / "native" / "int8_paged_attention.cpp"
+OP_TYPE = "Int8PagedAttention"
+BLOCK = 32  # tokens a block, as OpenVINO's CPU plugin pages its own caches
+SCALE_BYTES = 4  # each slot's f32 scale, held in its block after the values
+# PagedAttentionExtension's ports (OpenVINO 2026.4) the op takes, in its own order; 3 and 4 (the caches) are new
+PA_PORTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library() -> Path:
+    """The op's extension library, compiled here the first time (BackendUnavailableError where it cannot be)."""
+    import openvino as ov
+
+    include = Path(ov.__file__).parent / "include"
+    libs = Path(ov.__file__).parent / "libs"
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + ov.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("KVEXPORT_CACHE_DIR") or Path.home() / ".cache" / "kvexport")
+    lib = cache / f"libkvexport_ov_int8_{key}.so"
+    if lib.exists():
+        return lib
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        raise BackendUnavailableError("the intel target's i8 cache compiles its attention op with a C++ compiler and "
+                                      f"{cxx!r} is not there: install g++ (or set CXX to one), or load "
+                                      "with --option kv_precision=u8")
+    openvino = sorted(libs.glob("libopenvino.so*"))
+    tbb = sorted(libs.glob("libtbb.so*"))
+    if not include.is_dir() or not openvino or not tbb:
+        raise BackendUnavailableError(f"the openvino package at {include.parent} lacks its C++ headers or libraries, "
+                                      "which the i8 cache's op is compiled against: load with --option kv_precision=u8")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [cxx, "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
+               "-DNDEBUG", str(SOURCE), f"-I{include}", str(openvino[0]), str(tbb[0]), f"-Wl,-rpath,{libs}",
+               "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BackendUnavailableError(f"compiling the i8 cache's attention op failed ({' '.join(cmd)}):\n"
+                                          f"{done.stderr[-2000:]}\nload with --option kv_precision=u8 instead")
+        os.replace(out, lib)  # atomic: another process compiling the same key lands the same file
+    return lib
+
+
+def to_int8_blocks(model: Any, *, heads: int, kv_heads: int, head_dim: int, lib: Path) -> int:
+    """Replace every PagedAttentionExtension of the paged `model` (to_paged's) by kvexport's Int8PagedAttention over
+    new int8 cache inputs key_cache.i / value_cache.i of shape (blocks, kv_heads, BLOCK, head_dim + 4), in place;
+    returns how many were replaced."""
+    import openvino as ov
+    import openvino.opset13 as opset
+    from openvino.utils.node_factory import NodeFactory
+
+    from kvexport_intel.paged import PA_OP
+
+    factory = NodeFactory()
+    factory.add_extension(str(lib))
+    done = 0
+    old, new = [], []
+    for pa in [op for op in model.get_ordered_ops() if op.get_type_name() == PA_OP]:
+        inputs = [pa.input_value(i) for i in PA_PORTS]
+        caches = []
+        for port in (3, 4):
+            param = inputs[port].get_node()
+            name = inputs[port].get_any_name()
+            cache = opset.parameter([-1, kv_heads, BLOCK, head_dim + SCALE_BYTES], ov.Type.i8, name=name)
+            cache.output(0).get_tensor().set_names({name})
+            old.append(param)
+            caches.append(cache)
+            inputs[port] = cache.output(0)
+        op = factory.create(OP_TYPE, inputs, {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                                              "block_size": BLOCK})
+        op.set_friendly_name(pa.get_friendly_name())
+        pa.output(0).replace(op.output(0))
+        new.extend(caches)
+        done += 1
+    for param in old:
+        model.remove_parameter(param)
+    model.add_parameters(new)
+    model.validate_nodes_and_infer_types()
+    return done
+
+
+def slot_bytes(kv_heads: int, head_dim: int) -> int:
+    """Bytes an i8 cache holds per token per layer: key and value, each head_dim int8 values and an f32 scale a
+    KV head."""
+    return 2 * kv_heads * (head_dim + SCALE_BYTES)
+
+
+def dequantize(blocks: np.ndarray, head_dim: int) -> np.ndarray:
+    """An i8 cache's blocks (n, kv_heads, BLOCK, head_dim + 4) as the f32 values they hold: (n, kv_heads, BLOCK,
+    head_dim). The layout: per block and KV head, BLOCK rows of head_dim int8 values, then BLOCK f32 scales."""
+    n, kv = blocks.shape[:2]
+    raw = np.ascontiguousarray(blocks).reshape(n, kv, -1)
+    values = raw[:, :, :BLOCK * head_dim].reshape(n, kv, BLOCK, head_dim).astype(np.float32)
+    scales = raw[:, :, BLOCK * head_dim:].copy().view(np.float32).reshape(n, kv, BLOCK, 1)
+    return values * scales

@@ -1,0 +1,665 @@
+// kvexport's paged attention over an int8 block cache, an OpenVINO op (opset "kvexport", type
+// Int8PagedAttention) that the intel target's paged form runs in place of OpenVINO's PagedAttentionExtension when
+// the engine holds its cache as `i8` (kvexport_intel.int8_blocks builds the graph and compiles this file).
+//
+// Why: OpenVINO 2026.4's only 8-bit cache is u8 with an f32 scale and an f32 zero point per token and head: 72
+// bytes per 64 values at head_dim 64, 0.281x an f32 cache. Here a token's key (and value) for one KV head is
+// stored as head_dim int8 values, symmetric, with one f32 scale (its largest magnitude / 127): 68 bytes per 64,
+// 0.266x.
+//
+// Inputs (PagedAttentionExtension's ports 0-2 and 5-10, the caches in this op's layout):
+//   0 query (T, H*D) f32, 1 key (T, KV*D) f32 (rotated), 2 value (T, KV*D) f32
+//   3 key_cache, 4 value_cache: int8 (blocks, KV, BS, D + 4); a block's rows for one KV head are BS*(D+4) bytes:
+//     BS rows of D int8 values, then the BS rows' f32 scales
+//   5 past_lens (n) i32, 6 subsequence_begins (n+1) i32, 7 block_indices i32, 8 block_indices_begins (n+1) i32:
+//     as OpenVINO GenAI fills them (sequence s holds past_lens[s] tokens; its new tokens are
+//     subsequence_begins[s] .. subsequence_begins[s+1] of the T rows; its block table is block_indices over
+//     block_indices_begins[s] .. [s+1])
+//   9 scale () f32 (the softmax scale), 10 sliding_window () i32 (0: none; else a key at most window - 1
+//     positions behind the query is seen)
+// Output: (T, H*D) f32. Attributes: heads, kv_heads, head_dim, block_size.
+//
+// Each new token's key and value are quantized and written into its sequence's blocks (slot past_lens[s] + j)
+// first; then every new token attends causally over its sequence's slots, all read from the blocks, so a token is
+// attended as the cache holds it whether it came in a prompt or a decode step. The caches are the request's own
+// tensors (kvexport_intel.paged.PagedRows binds them once; the plugin hands this op their memory): written in
+// place, nothing copied.
+//
+// A decode step (one new token a sequence) splits each sequence's slots into runs of RUN for the threads and
+// merges the runs' partial softmaxes after; a prompt takes tiles of QTILE tokens, each block of keys and values
+// widened to f32 once for the tile (keys transposed, so that a query row's BS scores come out of vector FMAs
+// over the head dimension without horizontal sums).
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include <immintrin.h>
+
+#include <openvino/core/extension.hpp>
+#include <openvino/core/op_extension.hpp>
+#include <openvino/op/op.hpp>
+
+namespace {
+
+constexpr int64_t RUN = 512;   // cache slots a decode task reads
+constexpr int64_t QTILE = 32;  // prompt tokens a task takes
+constexpr int64_t MAX_D = 256;
+constexpr int64_t MAX_BS = 64;
+constexpr int64_t MAX_GROUP = 16;
+
+struct Shape {
+  int64_t H, KV, D, BS, G;  // query heads, KV heads, head size, block size, query heads a KV head
+  int64_t row_bytes() const { return BS * (D + 4); }  // one block's bytes for one KV head
+};
+
+// Symmetric int8 with one f32 scale: x ~ q * scale, scale = max|x| / 127 (0 for an all-zero row, stored as 0s).
+void quantize(const float* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t d = 0; d < D; d++) amax = std::max(amax, std::fabs(x[d]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < D; d++) q[d] = (int8_t)std::nearbyint(std::min(127.f, std::max(-127.f, x[d] * inv)));
+  *scale = amax / 127.f;
+}
+
+struct Seqs {
+  const int32_t *past, *begins, *blocks, *block_begins;
+  int64_t n;
+  int64_t pos(int64_t s, int64_t t) const { return past[s] + (t - begins[s]); }  // slot of new row t of sequence s
+  int32_t block(int64_t s, int64_t slot, int64_t BS) const { return blocks[block_begins[s] + slot / BS]; }
+};
+
+// A block's rows for KV head h: BS*D int8 values, then BS f32 scales.
+inline int8_t* rows_of(int8_t* cache, const Shape& sh, int64_t block, int64_t h) {
+  return cache + (block * sh.KV + h) * sh.row_bytes();
+}
+inline float* scales_of(int8_t* rows, const Shape& sh) { return reinterpret_cast<float*>(rows + sh.BS * sh.D); }
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is a call a lane): 2^n * e^r with
+// r = x - n ln 2 in [-ln2/2, ln2/2], e^r by its degree-6 Taylor polynomial (relative error below 2e-7, about
+// float's rounding); x below -87 (e^-87 ~ 1.6e-38) gives 0, as do the masked scores' -inf.
+#pragma omp declare simd
+inline float exp_neg(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504088896341f;
+  const float n = (t + 12582912.f) - 12582912.f;  // t rounded to the nearest integer (1.5 * 2^23)
+  const float r = (t - n) * 0.693147180559945309f;
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x < -87.f ? 0.f : p * two_n;
+}
+
+// Slots lo..hi-1 of sequence s, head h, for the G query rows q (G x D, already scaled): each row's running max m,
+// sum l and weighted values o (G x D), as a flash-attention pass leaves them. A block's rows are widened to f32
+// once for the G rows.
+// CD, CBS: the head size and block size where known when compiled (0: sh's), so that the loops over them unroll.
+template <int64_t CD, int64_t CBS>
+void attend_run(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs, int64_t s,
+                int64_t h, int64_t lo, int64_t hi, float* m, float* l, float* o) {
+  const int64_t D = CD ? CD : sh.D, BS = CBS ? CBS : sh.BS;
+  for (int64_t g = 0; g < G; g++) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+    std::fill(o + g * D, o + (g + 1) * D, 0.f);
+  }
+  alignas(64) float score[MAX_GROUP][MAX_BS];
+  alignas(64) float row[MAX_D];
+  for (int64_t start = lo; start < hi;) {
+    const int64_t slot0 = start % BS, n = std::min(BS - slot0, hi - start);
+    const int32_t b = seqs.block(s, start, BS);
+    int8_t* kb = rows_of(kc, sh, b, h);
+    int8_t* vb = rows_of(vc, sh, b, h);
+    const int8_t* krows = kb + slot0 * D;
+    const float* ks = scales_of(kb, sh) + slot0;
+    const int8_t* vrows = vb + slot0 * D;
+    const float* vs = scales_of(vb, sh) + slot0;
+    for (int64_t j = 0; j < n; j++) {
+      const int8_t* k = krows + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; d++) row[d] = (float)k[d];
+      for (int64_t g = 0; g < G; g++) {
+        const float* qg = q + g * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; d++) dot += qg[d] * row[d];
+        score[g][j] = dot * ks[j];
+      }
+    }
+    for (int64_t g = 0; g < G; g++) {
+      float mx = m[g], sum = 0.f;
+      float* sg = score[g];
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = 0; j < n; j++) mx = std::max(mx, sg[j]);
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; j++) {
+        sg[j] = exp_neg(sg[j] - mx);
+        sum += sg[j];
+      }
+      const float corr = exp_neg(m[g] - mx);
+      l[g] = l[g] * corr + sum;
+      m[g] = mx;
+      if (corr != 1.f) {
+        float* og = o + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) og[d] *= corr;
+      }
+    }
+    for (int64_t j = 0; j < n; j++) {
+      const int8_t* v = vrows + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; d++) row[d] = (float)v[d] * vs[j];
+      for (int64_t g = 0; g < G; g++) {
+        const float p = score[g][j];
+        float* og = o + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) og[d] += p * row[d];
+      }
+    }
+    start += n;
+  }
+}
+
+// The first slot a query at position `pos` sees.
+inline int64_t first_seen(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+
+// A tile of new tokens t0..t1-1 of sequence s (positions p0..p0+t1-t0-1) for KV head h: every query head of the
+// group over the slots each token sees, a block of keys and values widened to f32 once for the tile.
+template <int64_t CD, int64_t CBS>
+void attend_tile(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
+                 int64_t s, int64_t h, int64_t t0, int64_t t1, float scale, int64_t window) {
+  const int64_t D = CD ? CD : sh.D, BS = CBS ? CBS : sh.BS, G = sh.G, rows = (t1 - t0) * G;
+  const int64_t p0 = seqs.pos(s, t0), plast = p0 + (t1 - t0) - 1;
+  std::vector<float> buf(rows * (D + 2) + D * BS + BS * D);
+  float *o = buf.data(), *m = o + rows * D, *l = m + rows, *kt = l + rows, *vf = kt + D * BS;
+  std::vector<float> q(rows * D);
+  for (int64_t t = t0; t < t1; t++)
+    for (int64_t g = 0; g < G; g++) {
+      const float* src = query + t * sh.H * D + (h * G + g) * D;
+      float* dst = q.data() + ((t - t0) * G + g) * D;
+      for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
+    }
+  for (int64_t r = 0; r < rows; r++) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  std::fill(o, o + rows * D, 0.f);
+  alignas(64) float score[MAX_BS];
+  for (int64_t start = (first_seen(p0, window) / BS) * BS; start <= plast; start += BS) {
+    const int64_t n = std::min(BS, plast + 1 - start);
+    const int32_t b = seqs.block(s, start, BS);
+    const int8_t* krows = rows_of(kc, sh, b, h);
+    const float* ks = scales_of(rows_of(kc, sh, b, h), sh);
+    const int8_t* vrows = rows_of(vc, sh, b, h);
+    const float* vs = scales_of(rows_of(vc, sh, b, h), sh);
+    for (int64_t j = 0; j < n; j++)  // keys transposed: kt[d][j]
+      for (int64_t d = 0; d < D; d++) kt[d * BS + j] = (float)krows[j * D + d] * ks[j];
+    for (int64_t j = 0; j < n; j++)
+#pragma omp simd
+      for (int64_t d = 0; d < D; d++) vf[j * D + d] = (float)vrows[j * D + d] * vs[j];
+    for (int64_t r = 0; r < rows; r++) {
+      const int64_t pos = p0 + r / G, lo = std::max(start, first_seen(pos, window)) - start;
+      const int64_t hi = std::min(n, pos + 1 - start);  // slots start+lo .. start+hi-1
+      if (hi <= lo) continue;
+      const float* qr = q.data() + r * D;
+      for (int64_t j = 0; j < BS; j++) score[j] = 0.f;
+      for (int64_t d = 0; d < D; d++) {
+        const float x = qr[d];
+        const float* kd = kt + d * BS;
+#pragma omp simd
+        for (int64_t j = 0; j < BS; j++) score[j] += x * kd[j];
+      }
+      float mx = m[r], sum = 0.f;
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = lo; j < hi; j++) mx = std::max(mx, score[j]);
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = lo; j < hi; j++) {
+        score[j] = exp_neg(score[j] - mx);
+        sum += score[j];
+      }
+      const float corr = exp_neg(m[r] - mx);
+      l[r] = l[r] * corr + sum;
+      float* orow = o + r * D;
+      if (corr != 1.f) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) orow[d] *= corr;
+      }
+      for (int64_t j = lo; j < hi; j++) {
+        const float p = score[j];
+        const float* v = vf + j * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) orow[d] += p * v[d];
+      }
+      m[r] = mx;
+    }
+  }
+  for (int64_t t = t0; t < t1; t++)
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t r = (t - t0) * G + g;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      float* dst = out + t * sh.H * D + (h * G + g) * D;
+      for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+    }
+}
+
+#ifdef __AVX512F__
+// ---------------------------------------------------------------- AVX-512 (compiled where -march=native has it)
+
+// 16 vectors -> one vector of their 16 sums
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; i++)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// e^x to about 2 ulp; 0 below -104 (a masked score's -inf included)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
+
+inline __m512 widen(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+
+// attend_run with 16 rows' scores summed together (sum16) and one softmax over the run; NV = D / 16.
+template <int64_t NV>
+void attend_run_avx512(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
+                       int64_t s, int64_t h, int64_t lo, int64_t hi, float* m, float* l, float* o) {
+  constexpr int64_t D = NV * 16;
+  const int64_t BS = sh.BS, n = hi - lo;
+  alignas(64) float sc[MAX_GROUP][RUN + 16];
+  alignas(64) float wide[16 * D];
+  // scores, a block's piece at a time, 16 rows at a time
+  for (int64_t start = lo; start < hi;) {
+    const int64_t slot0 = start % BS, cnt = std::min(BS - slot0, hi - start), at = start - lo;
+    const int32_t block = seqs.block(s, start, BS);
+    int8_t* kb = rows_of(kc, sh, block, h);
+    const int8_t* krows = kb + slot0 * D;
+    const float* ks = scales_of(kb, sh) + slot0;
+    // the blocks are scattered: ask for the next block's keys and this block's values while these keys are summed,
+    // so that the memory has several requests in flight (the loads, not the arithmetic, had bounded this loop)
+    const int8_t* next = start + cnt < hi ? rows_of(kc, sh, seqs.block(s, start + cnt, BS), h) : nullptr;
+    const int8_t* vb = rows_of(vc, sh, block, h);
+    for (int64_t r0 = 0; r0 < cnt; r0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, cnt - r0);
+      for (int64_t line = 0; line < 16 * D; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(vb + (slot0 + r0) * D + line), _MM_HINT_T0);
+        if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + r0 * D + line), _MM_HINT_T0);
+      }
+      for (int64_t r = 0; r < 16; r++)
+        for (int64_t c = 0; c < NV; c++)
+          _mm512_store_ps(wide + r * D + c * 16, r < rows ? widen(krows + (r0 + r) * D + c * 16) : _mm512_setzero_ps());
+      const __m512 kscale = _mm512_maskz_loadu_ps(first(rows), ks + r0);
+      for (int64_t g = 0; g < G; g++) {
+        __m512 acc[16];
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < NV; c++) {
+          const __m512 qv = _mm512_loadu_ps(q + g * D + c * 16);
+          for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(wide + r * D + c * 16), qv, acc[r]);
+        }
+        _mm512_storeu_ps(sc[g] + at + r0, _mm512_mul_ps(sum16(acc), kscale));
+      }
+    }
+    start += cnt;
+  }
+  // softmax over the run, unnormalized: its max and its sum go to the merge
+  for (int64_t g = 0; g < G; g++) {
+    float* x = sc[g];
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; j += 16) mx = _mm512_mask_max_ps(mx, first(n - j), mx, _mm512_loadu_ps(x + j));
+    const float mg = _mm512_reduce_max_ps(mx);
+    const __m512 mv = _mm512_set1_ps(mg);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(first(n - j), exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv)));
+      _mm512_storeu_ps(x + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    m[g] = mg;
+    l[g] = _mm512_reduce_add_ps(sum);
+  }
+  // weighted values: each row widened once for every head of the group
+  constexpr int64_t REG_G = NV <= 4 ? 6 : 3;  // heads whose sums stay in registers (NV x REG_G accumulators)
+  for (int64_t g0 = 0; g0 < G; g0 += REG_G) {
+    const int64_t gs = std::min(REG_G, G - g0);
+    __m512 acc[REG_G][NV];
+    for (int64_t g = 0; g < REG_G; g++)
+      for (int64_t c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t start = lo; start < hi;) {
+      const int64_t slot0 = start % BS, cnt = std::min(BS - slot0, hi - start), at = start - lo;
+      int8_t* vb = rows_of(vc, sh, seqs.block(s, start, BS), h);
+      const int8_t* vrows = vb + slot0 * D;
+      const float* vs = scales_of(vb, sh) + slot0;
+      for (int64_t j = 0; j < cnt; j++) {
+        __m512 v[NV];
+        for (int64_t c = 0; c < NV; c++) v[c] = widen(vrows + j * D + c * 16);
+        for (int64_t g = 0; g < REG_G; g++) {
+          if (g >= gs) break;
+          const __m512 w = _mm512_set1_ps(sc[g0 + g][at + j] * vs[j]);
+          for (int64_t c = 0; c < NV; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+        }
+      }
+      start += cnt;
+    }
+    for (int64_t g = 0; g < gs; g++)
+      for (int64_t c = 0; c < NV; c++) _mm512_storeu_ps(o + (g0 + g) * D + c * 16, acc[g][c]);
+  }
+}
+
+// attend_tile for blocks of 32 slots: a block's keys and values widened (and scaled) once for the tile, each query
+// row's scores summed 16 keys at a time (sum16), its values in two interleaved sets of sums; NV = D / 16.
+template <int64_t NV>
+void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
+                        int64_t s, int64_t h, int64_t t0, int64_t t1, float scale, int64_t window) {
+  constexpr int64_t D = NV * 16, BS = 32;
+  const int64_t G = sh.G, rows = (t1 - t0) * G;
+  const int64_t p0 = seqs.pos(s, t0), plast = p0 + (t1 - t0) - 1;
+  std::vector<float> buf(rows * (2 * D + 2) + D * BS + 32);
+  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  float *q = base, *o = q + rows * D, *vf = o + rows * D, *m = vf + BS * D, *l = m + rows;
+  for (int64_t t = t0; t < t1; t++)
+    for (int64_t g = 0; g < G; g++) {
+      const float* src = query + t * sh.H * D + (h * G + g) * D;
+      float* dst = q + ((t - t0) * G + g) * D;
+      for (int64_t c = 0; c < NV; c++)
+        _mm512_store_ps(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(src + c * 16), _mm512_set1_ps(scale)));
+    }
+  for (int64_t r = 0; r < rows; r++) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
+  std::fill(o, o + rows * D, 0.f);
+  alignas(64) float tmp[BS * D];
+  for (int64_t start = (first_seen(p0, window) / BS) * BS; start <= plast; start += BS) {
+    const int64_t n = std::min(BS, plast + 1 - start);
+    const int32_t b = seqs.block(s, start, BS);
+    const int8_t* kb = rows_of(kc, sh, b, h);
+    const float* ks = scales_of(const_cast<int8_t*>(kb), sh);
+    const int8_t* vb = rows_of(vc, sh, b, h);
+    const float* vs = scales_of(const_cast<int8_t*>(vb), sh);
+    for (int64_t j = 0; j < BS; j++)
+      for (int64_t c = 0; c < NV; c++) {
+        const bool in = j < n;
+        _mm512_store_ps(tmp + j * D + c * 16, in ? _mm512_mul_ps(widen(kb + j * D + c * 16), _mm512_set1_ps(ks[j]))
+                                                 : _mm512_setzero_ps());
+        _mm512_store_ps(vf + j * D + c * 16, in ? _mm512_mul_ps(widen(vb + j * D + c * 16), _mm512_set1_ps(vs[j]))
+                                                : _mm512_setzero_ps());
+      }
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t r = 0; r < rows; r++) {
+      const int64_t pos = p0 + r / G, lo = std::max(start, first_seen(pos, window)) - start;
+      const int64_t hi = std::min(n, pos + 1 - start);  // slots start+lo .. start+hi-1
+      if (hi <= lo) continue;
+      const float* qr = q + r * D;
+      // 16 keys' scores at a time: 16 sums over the head dimension, added together (sum16)
+      __m512 sv[2];
+      for (int64_t half = 0; half < 2; half++) {
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < NV; c++) {
+          const __m512 qv = _mm512_load_ps(qr + c * 16);
+#pragma GCC unroll 16
+          for (int k = 0; k < 16; k++)
+            acc[k] = _mm512_fmadd_ps(_mm512_load_ps(tmp + (half * 16 + k) * D + c * 16), qv, acc[k]);
+        }
+        sv[half] = sum16(acc);
+      }
+      const uint64_t seen = (hi >= 32 ? ~0ull : (1ull << hi) - 1) & ~((1ull << lo) - 1);
+      const __mmask16 k0 = (__mmask16)(seen & 0xFFFF), k1 = (__mmask16)((seen >> 16) & 0xFFFF);
+      const __m512 s0 = _mm512_mask_mov_ps(ninf, k0, sv[0]), s1 = _mm512_mask_mov_ps(ninf, k1, sv[1]);
+      const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+      const __m512 mv = _mm512_set1_ps(mx);
+      alignas(64) float p[BS];
+      const __m512 e0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(s0, mv)));
+      const __m512 e1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(s1, mv)));
+      _mm512_store_ps(p, e0);
+      _mm512_store_ps(p + 16, e1);
+      const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - mx);
+      l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+      m[r] = mx;
+      float* orow = o + r * D;
+      // two sets of sums (even and odd slots) so that 2 x NV FMA chains are in flight
+      __m512 a0[NV], a1[NV];
+      const __m512 cv = _mm512_set1_ps(corr);
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < NV; c++) a0[c] = _mm512_mul_ps(_mm512_load_ps(orow + c * 16), cv), a1[c] = _mm512_setzero_ps();
+      int64_t j = lo;
+      for (; j + 1 < hi; j += 2) {
+        const __m512 w0 = _mm512_set1_ps(p[j]), w1 = _mm512_set1_ps(p[j + 1]);
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < NV; c++) {
+          a0[c] = _mm512_fmadd_ps(w0, _mm512_load_ps(vf + j * D + c * 16), a0[c]);
+          a1[c] = _mm512_fmadd_ps(w1, _mm512_load_ps(vf + (j + 1) * D + c * 16), a1[c]);
+        }
+      }
+      if (j < hi) {
+        const __m512 w0 = _mm512_set1_ps(p[j]);
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < NV; c++) a0[c] = _mm512_fmadd_ps(w0, _mm512_load_ps(vf + j * D + c * 16), a0[c]);
+      }
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < NV; c++) _mm512_store_ps(orow + c * 16, _mm512_add_ps(a0[c], a1[c]));
+    }
+  }
+  for (int64_t t = t0; t < t1; t++)
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t r = (t - t0) * G + g;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      float* dst = out + t * sh.H * D + (h * G + g) * D;
+      for (int64_t c = 0; c < NV; c++)
+        _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(o + r * D + c * 16), _mm512_set1_ps(inv)));
+    }
+}
+#endif
+
+// The kernels for a shape: AVX-512 for head sizes 64 and 128 (blocks of 32 for prompts) where compiled with it,
+// else the loops above, specialized where the sizes are the usual ones.
+using RunKernel = void (*)(const float*, int64_t, int8_t*, int8_t*, const Shape&, const Seqs&, int64_t, int64_t,
+                           int64_t, int64_t, float*, float*, float*);
+using TileKernel = void (*)(const float*, float*, int8_t*, int8_t*, const Shape&, const Seqs&, int64_t, int64_t,
+                            int64_t, int64_t, float, int64_t);
+
+RunKernel run_kernel_for(const Shape& sh) {
+#ifdef __AVX512F__
+  if (sh.D == 64) return attend_run_avx512<4>;
+  if (sh.D == 128) return attend_run_avx512<8>;
+#endif
+  return sh.BS != 32 ? attend_run<0, 0> : sh.D == 64 ? attend_run<64, 32> : sh.D == 128 ? attend_run<128, 32>
+                                                                                          : attend_run<0, 32>;
+}
+
+TileKernel tile_kernel_for(const Shape& sh) {
+#ifdef __AVX512F__
+  if (sh.BS == 32 && sh.D == 64) return attend_tile_avx512<4>;
+  if (sh.BS == 32 && sh.D == 128) return attend_tile_avx512<8>;
+#endif
+  return sh.BS != 32 ? attend_tile<0, 0> : sh.D == 64 ? attend_tile<64, 32> : sh.D == 128 ? attend_tile<128, 32>
+                                                                                          : attend_tile<0, 32>;
+}
+
+class Int8PagedAttention : public ov::op::Op {
+ public:
+  OPENVINO_OP("Int8PagedAttention", "kvexport");
+
+  Int8PagedAttention() = default;
+  Int8PagedAttention(const ov::OutputVector& args, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t block_size)
+      : Op(args), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), block_size_(block_size) {
+    constructor_validate_and_infer_types();
+  }
+
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 11, "Int8PagedAttention takes 11 inputs, got ", get_input_size());
+    NODE_VALIDATION_CHECK(this, heads_ > 0 && kv_heads_ > 0 && heads_ % kv_heads_ == 0 && heads_ / kv_heads_ <= MAX_GROUP,
+                          "heads must be a multiple of kv_heads, at most ", MAX_GROUP, " a KV head");
+    NODE_VALIDATION_CHECK(this, head_dim_ > 0 && head_dim_ <= MAX_D && head_dim_ % 4 == 0,
+                          "head_dim must be a multiple of 4 up to ", MAX_D);
+    NODE_VALIDATION_CHECK(this, block_size_ > 0 && block_size_ <= MAX_BS, "block_size must be 1..", MAX_BS);
+    for (size_t i : {3, 4})
+      NODE_VALIDATION_CHECK(this, get_input_element_type(i) == ov::element::i8, "the caches must be int8");
+    auto shape = get_input_partial_shape(0);
+    set_output_type(0, ov::element::f32, shape);
+  }
+
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<Int8PagedAttention>(args, heads_, kv_heads_, head_dim_, block_size_);
+  }
+
+  bool visit_attributes(ov::AttributeVisitor& v) override {
+    v.on_attribute("heads", heads_);
+    v.on_attribute("kv_heads", kv_heads_);
+    v.on_attribute("head_dim", head_dim_);
+    v.on_attribute("block_size", block_size_);
+    return true;
+  }
+
+  bool has_evaluate() const override { return true; }
+
+  bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+    const Shape sh{heads_, kv_heads_, head_dim_, block_size_, heads_ / kv_heads_};
+    const auto& qt = inputs[0];
+    const int64_t T = (int64_t)qt.get_shape()[0];
+    if ((int64_t)qt.get_size() != T * sh.H * sh.D) return false;
+    const float* query = qt.data<const float>();
+    const float* key = inputs[1].data<const float>();
+    const float* value = inputs[2].data<const float>();
+    // the caches are written in place: the request's own tensors, which the plugin hands over as they are
+    auto* kc = static_cast<int8_t*>(const_cast<void*>(inputs[3].data()));
+    auto* vc = static_cast<int8_t*>(const_cast<void*>(inputs[4].data()));
+    const Seqs seqs{inputs[5].data<const int32_t>(), inputs[6].data<const int32_t>(), inputs[7].data<const int32_t>(),
+                    inputs[8].data<const int32_t>(), (int64_t)inputs[5].get_size()};
+    const float scale = *inputs[9].data<const float>();
+    const int64_t window = *inputs[10].data<const int32_t>();
+    outputs[0].set_shape(qt.get_shape());
+    float* out = outputs[0].data<float>();
+
+    // the new rows into their blocks
+    std::vector<int64_t> seq_of(T);
+    for (int64_t s = 0; s < seqs.n; s++)
+      for (int64_t t = seqs.begins[s]; t < seqs.begins[s + 1]; t++) seq_of[t] = s;
+    const auto store = [&](int64_t i) {
+      const int64_t t = i / sh.KV, h = i % sh.KV, s = seq_of[t], slot = seqs.pos(s, t);
+      const int32_t b = seqs.block(s, slot, sh.BS);
+      int8_t* krows = rows_of(kc, sh, b, h);
+      int8_t* vrows = rows_of(vc, sh, b, h);
+      const int64_t at = slot % sh.BS, from = (t * sh.KV + h) * sh.D;
+      quantize(key + from, sh.D, krows + at * sh.D, scales_of(krows, sh) + at);
+      quantize(value + from, sh.D, vrows + at * sh.D, scales_of(vrows, sh) + at);
+    };
+    if (T * sh.KV * sh.D < 16384) {  // a decode step's few rows: less than waking the threads costs
+      for (int64_t i = 0; i < T * sh.KV; i++) store(i);
+    } else {
+      tbb::parallel_for(int64_t(0), T * sh.KV, store);
+    }
+
+    bool one = true;  // one new token a sequence: a decode step
+    for (int64_t s = 0; s < seqs.n; s++) one = one && seqs.begins[s + 1] - seqs.begins[s] == 1;
+    if (one) {
+      decode(query, out, kc, vc, sh, seqs, scale, window);
+      return true;
+    }
+    struct Tile {
+      int64_t s, t0, t1;
+    };
+    std::vector<Tile> tiles;
+    for (int64_t s = 0; s < seqs.n; s++)
+      for (int64_t t = seqs.begins[s]; t < seqs.begins[s + 1]; t += QTILE)
+        tiles.push_back({s, t, std::min<int64_t>(t + QTILE, seqs.begins[s + 1])});
+    // the longest tiles (the latest positions) first, so the threads end together
+    std::reverse(tiles.begin(), tiles.end());
+    tbb::parallel_for(int64_t(0), (int64_t)tiles.size() * sh.KV, [&](int64_t i) {
+      const Tile& tile = tiles[i / sh.KV];
+      const auto tile_kernel = tile_kernel_for(sh);
+      tile_kernel(query, out, kc, vc, sh, seqs, tile.s, i % sh.KV, tile.t0, tile.t1, scale, window);
+    });
+    return true;
+  }
+
+ private:
+  static void decode(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
+                     float scale, int64_t window) {
+    const int64_t D = sh.D, G = sh.G;
+    struct Task {
+      int64_t s, h, lo, hi, part;
+    };
+    std::vector<Task> tasks;
+    std::vector<int64_t> first(seqs.n * sh.KV + 1, 0);  // tasks of (s, h) are first[s*KV+h] .. first[s*KV+h+1]-1
+    for (int64_t s = 0; s < seqs.n; s++) {
+      const int64_t pos = seqs.past[s], lo = first_seen(pos, window);
+      for (int64_t h = 0; h < sh.KV; h++) {
+        for (int64_t a = lo; a <= pos; a += RUN) tasks.push_back({s, h, a, std::min(a + RUN, pos + 1), 0});
+        first[s * sh.KV + h + 1] = (int64_t)tasks.size();
+      }
+    }
+    const int64_t stride = G * (D + 2);  // a task's partial: m (G), l (G), o (G x D)
+    std::vector<float> part(tasks.size() * stride);
+    tbb::parallel_for(int64_t(0), (int64_t)tasks.size(), [&](int64_t i) {
+      const Task& k = tasks[i];
+      float q[MAX_GROUP * MAX_D];
+      const float* src = query + seqs.begins[k.s] * sh.H * D + k.h * G * D;
+      for (int64_t x = 0; x < G * D; x++) q[x] = src[x] * scale;
+      float* p = part.data() + i * stride;
+      const auto run_kernel = run_kernel_for(sh);
+      run_kernel(q, G, kc, vc, sh, seqs, k.s, k.h, k.lo, k.hi, p, p + G, p + 2 * G);
+    });
+    for (int64_t s = 0; s < seqs.n; s++)
+      for (int64_t h = 0; h < sh.KV; h++) {
+        const int64_t a = first[s * sh.KV + h], z = first[s * sh.KV + h + 1];
+        for (int64_t g = 0; g < G; g++) {
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t i = a; i < z; i++) mx = std::max(mx, part[i * stride + g]);
+          float* dst = out + seqs.begins[s] * sh.H * D + (h * G + g) * D;
+          std::fill(dst, dst + D, 0.f);
+          float sum = 0.f;
+          for (int64_t i = a; i < z; i++) {
+            const float* p = part.data() + i * stride;
+            const float w = std::exp(p[g] - mx);
+            sum += p[G + g] * w;
+            const float* o = p + 2 * G + g * D;
+            for (int64_t d = 0; d < D; d++) dst[d] += o[d] * w;
+          }
+          const float inv = sum > 0.f ? 1.f / sum : 0.f;
+          for (int64_t d = 0; d < D; d++) dst[d] *= inv;
+        }
+      }
+  }
+
+  int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, block_size_ = 0;
+};
+
+}  // namespace
+
+OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<Int8PagedAttention>>()}));

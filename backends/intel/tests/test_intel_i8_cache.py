@@ -1,0 +1,178 @@
+"""The intel target's i8 cache (kvexport_intel.int8_blocks): kvexport's Int8PagedAttention op against a numpy
+reference over the blocks it wrote, the blocks themselves against the keys and values they were given, and an
+engine loaded with kv_precision=i8 against the same engine's f32 cache."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvexport
+from kvexport.errors import BackendUnavailableError, InputError
+from kvexport.testing import greedy_logits
+from kvexport.tolerances import tolerance
+from kvexport.verify import compare
+
+ov = pytest.importorskip("openvino", reason="the intel target needs openvino (pip install 'kvexport[intel]')")
+
+from kvexport_intel import int8_blocks  # noqa: E402
+from kvexport_intel.int8_blocks import BLOCK, dequantize, library  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def op_lib() -> Path:
+    return library()  # compiled once per machine and source (a few seconds)
+
+
+def op_model(lib: Path, H: int, KV: int, D: int, window: int) -> object:
+    import openvino.opset13 as opset
+    from openvino.utils.node_factory import NodeFactory
+
+    factory = NodeFactory()
+    factory.add_extension(str(lib))
+    q = opset.parameter([-1, H * D], ov.Type.f32, name="q")
+    k = opset.parameter([-1, KV * D], ov.Type.f32, name="k")
+    v = opset.parameter([-1, KV * D], ov.Type.f32, name="v")
+    caches = [opset.parameter([-1, KV, BLOCK, D + 4], ov.Type.i8, name=n) for n in ("kc", "vc")]
+    seq = [opset.parameter([-1], ov.Type.i32, name=n) for n in ("past", "begins", "blocks", "block_begins")]
+    op = factory.create("Int8PagedAttention", [q.output(0), k.output(0), v.output(0), *(c.output(0) for c in caches),
+                                               *(s.output(0) for s in seq),
+                                               opset.constant(np.float32(D ** -0.5)).output(0),
+                                               opset.constant(np.int32(window)).output(0)],
+                        {"heads": H, "kv_heads": KV, "head_dim": D, "block_size": BLOCK})
+    core = ov.Core()
+    core.add_extension(str(lib))
+    return core.compile_model(ov.Model([op.output(0)], [q, k, v, *caches, *seq]), "CPU", {"INFERENCE_NUM_THREADS": 2})
+
+
+def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, pos: int, window: int) -> np.ndarray:
+    """One token's attention at position `pos` over slots 0..pos (keys, values: (KV, slots, D)), in float64."""
+    H, D = q.shape
+    G = H // keys.shape[0]
+    lo = max(0, pos - window + 1) if window else 0
+    out = np.empty((H, D))
+    for h in range(H):
+        s = keys[h // G, lo:pos + 1].astype(np.float64) @ q[h].astype(np.float64) * D ** -0.5
+        p = np.exp(s - s.max())
+        out[h] = p @ values[h // G, lo:pos + 1] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("D, window", [(16, 0), (64, 0), (64, 20)])
+def test_op_attends_over_the_blocks_it_wrote(op_lib: Path, D: int, window: int) -> None:
+    """Two sequences over scattered blocks: a 40-token prompt (two blocks), and 5 new tokens after 37 held ones; then
+    a decode step of both. Each new key and value lands in its slot as int8 with one scale, within half a step of
+    what was given, blocks outside the tables stay zero, and every token's output is the attention over the
+    dequantized blocks (a numpy reference in float64)."""
+    H, KV = 4, 2
+    compiled = op_model(op_lib, H, KV, D, window)
+    request = compiled.create_infer_request()
+    caches = [np.zeros((9, KV, BLOCK, D + 4), np.int8) for _ in range(2)]
+    for name, c in zip(("kc", "vc"), caches):
+        request.set_tensor(name, ov.Tensor(c, shared_memory=True))
+    tables = [[5, 2], [7, 1]]  # sequence 0: slots 0-63 in blocks 5, 2; sequence 1: in blocks 7, 1
+    rng = np.random.default_rng(D + window)
+    held = [np.zeros((KV, 0, D)), np.zeros((KV, 0, D))], [np.zeros((KV, 0, D)), np.zeros((KV, 0, D))]
+
+    def step(past: list[int], counts: list[int]) -> None:
+        T = sum(counts)
+        q, k, v = (rng.standard_normal((T, n * D)).astype(np.float32) * 2 for n in (H, KV, KV))
+        out = request.infer({"q": q, "k": k, "v": v, "past": np.array(past, np.int32),
+                             "begins": np.array([0, *np.cumsum(counts)], np.int32),
+                             "blocks": np.array(sum(tables, []), np.int32),
+                             "block_begins": np.array([0, 2, 4], np.int32)})[0]
+        blocks = [dequantize(c, D) for c in caches]
+        t = 0
+        for s, (p, n) in enumerate(zip(past, counts)):
+            # what the blocks hold for this sequence: (KV, slots, D)
+            kv = [b[tables[s]].transpose(1, 0, 2, 3).reshape(KV, -1, D) for b in blocks]
+            for j in range(n):
+                for given, got in zip((k, v), kv):
+                    x = given[t + j].reshape(KV, D)
+                    step_ = np.abs(x).max(axis=1, keepdims=True) / 127
+                    assert np.all(np.abs(got[:, p + j] - x) <= step_ / 2 + 1e-6)
+                want = reference(q[t + j].reshape(H, D), kv[0], kv[1], p + j, window)
+                np.testing.assert_allclose(out[t + j].reshape(H, D), want, rtol=0, atol=2e-5)
+            t += n
+
+    step([0, 37], [40, 5])
+    step([40, 42], [1, 1])
+    used = {5, 2, 7, 1}
+    for c in caches:
+        assert not c[[b for b in range(9) if b not in used]].any()
+        assert c[[5, 7]].any()
+
+
+def fed(engine: kvexport.runtime.engine.Engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """The logits of one request fed `tokens` after its prompt (teacher-forced): (1 + len(tokens), V)."""
+    b = engine.prefill(prompt, len(tokens) + 1)
+    out = [b.logits[0].copy()]
+    for t in tokens:
+        engine.decode(b, np.array([t]))
+        out.append(b.logits[0].copy())
+    engine.session.release(b.state)
+    return np.array(out)
+
+
+def test_op_decodes_over_runs_of_slots_merged(op_lib: Path) -> None:
+    """A decode step over 700 held slots (23 blocks, in reverse order): the op cuts them into runs of 512 for the
+    threads and merges the runs' softmaxes; the result is the attention over all of them."""
+    H, KV, D = 8, 2, 64
+    compiled = op_model(op_lib, H, KV, D, 0)
+    request = compiled.create_infer_request()
+    nb = 23
+    caches = [np.zeros((nb, KV, BLOCK, D + 4), np.int8) for _ in range(2)]
+    for name, c in zip(("kc", "vc"), caches):
+        request.set_tensor(name, ov.Tensor(c, shared_memory=True))
+    table = np.arange(nb, dtype=np.int32)[::-1].copy()
+    rng = np.random.default_rng(1)
+    seq = {"blocks": table, "block_begins": np.array([0, nb], np.int32)}
+    for past, count in ((0, 700), (700, 1)):
+        q, k, v = (rng.standard_normal((count, n * D)).astype(np.float32) for n in (H, KV, KV))
+        out = request.infer({"q": q, "k": k, "v": v, "past": np.array([past], np.int32),
+                             "begins": np.array([0, count], np.int32), **seq})[0]
+    kv = [dequantize(c, D)[table].transpose(1, 0, 2, 3).reshape(KV, -1, D) for c in caches]
+    np.testing.assert_allclose(out[0].reshape(H, D), reference(q[0].reshape(H, D), kv[0], kv[1], 700, 0),
+                               rtol=0, atol=2e-5)
+
+
+def test_i8_engine_within_the_int8_row_of_its_f32_cache(intel_artifacts: dict) -> None:
+    """A tiny llama loaded with kv_precision=i8: its prompt and decode steps go through kvexport's op over int8
+    blocks of head_dim + 4 bytes a slot and head, nothing copied per step, and fed the f32 cache's greedy tokens
+    its logits stay within the (intel, fp32+kv-int8) row of the f32 cache's (the random tiny model has near-ties:
+    its own greedy tokens may part where |dlogit| is a few hundredths)."""
+    _, art = intel_artifacts["llama"]
+    ids = [int(t) for t in np.random.default_rng(3).integers(3, 259, 70)]  # three blocks, the last part full
+    ref = greedy_logits(kvexport.load(str(art), precision="fp32"), ids, 24)
+    engine = kvexport.load(str(art), precision="fp32", kv_precision="i8")
+    got = fed(engine, ids, [int(t) for t in ref.argmax(-1)[:-1]])
+    s = engine.session
+    assert s.facts["paged_attention"] == f"kvexport's Int8PagedAttention over int8 blocks ({s.num_layers} layers)"
+    b = engine.prefill(ids, 2)
+    assert {c.dtype for c in b.state.rows.caches} == {np.dtype(np.int8)}
+    assert s.cache_bytes(b.state) == len(ids) * s.num_layers * 2 * s.kv_heads * (s.head_dim + 4)
+    assert s.cache_bytes_copied(b.state) == 0
+    s.release(b.state)
+    row = tolerance("intel", "fp32+kv-int8")
+    c = compare(ref, got)
+    assert c["mean_kl"] <= row.max_mean_kl and c["max_abs_logit"] < 0.1, c  # top-1 is judged on a trained model
+    assert np.abs(ref - got).max() > 1e-5  # the blocks are rounded: not the f32 cache's logits
+
+
+def test_i8_is_chosen_at_load_not_at_build(intel_artifacts: dict, tmp_path: Path) -> None:
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+
+    ckpt, _ = intel_artifacts["llama"]
+    with pytest.raises(InputError, match="kv_precision is one of .* not .i8."):  # before any export
+        build(ckpt, tmp_path / "x.kvx", target="intel", max_seq=64, verify=False,
+              options=BuildOptions(extra={"kv_precision": "i8"}))
+
+
+def test_i8_without_a_compiler_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(BackendUnavailableError, match="kv_precision=u8"):
+        int8_blocks.library()
+    assert not list(tmp_path.glob("*.so"))
