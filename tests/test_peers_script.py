@@ -97,3 +97,13 @@ def test_a_negative_block_is_refused_before_any_worker_starts(artifacts) -> None
                        capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "--step-blocks takes a number of decode steps" in p.stderr
     assert "[kvexport]" not in p.stdout  # no worker was loaded
+
+
+def test_a_kvexport_system_takes_its_cache_precision_as_a_load_option(peers, artifacts) -> None:  # type: ignore[no-untyped-def]
+    """`ART@kv_precision=i8` reaches the engine as its load option (the intel target's own int8 cache); a value the
+    option does not take is refused while the specs are read."""
+    art = str(artifacts["llama"])
+    folder, options = peers.system_spec(f"{art}@kv_precision=i8,precision=fp32", "u8")
+    assert folder == Path(art) and options["kv_precision"] == "i8" and options["precision"] == "fp32"
+    with pytest.raises(SystemExit, match="kv_precision"):
+        peers.system_spec(f"{art}@kv_precision=int3", "u8")
