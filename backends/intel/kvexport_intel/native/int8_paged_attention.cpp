@@ -293,6 +293,32 @@ inline __m512 exp16(__m512 x) {
 
 inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
 
+// r[i] = row i (16 floats) -> r[d] = column d (16 floats: row 0..15's element d)
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; k++) {
+    t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(3, 1, 3, 1));
+    t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  for (int k = 0; k < 4; k++) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
 inline __m512 widen(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 
 // attend_run with 16 rows' scores summed together (sum16) and one softmax over the run; NV = D / 16.
@@ -380,98 +406,148 @@ void attend_run_avx512(const float* q, int64_t G, int8_t* kc, int8_t* vc, const 
   }
 }
 
-// attend_tile for blocks of 32 slots: a block's keys and values widened (and scaled) once for the tile, each query
-// row's scores summed 16 keys at a time (sum16), its values in two interleaved sets of sums; NV = D / 16.
+// attend_tile for blocks of 32 slots, CHUNK slots (four blocks) at a time: their keys widened (scaled) and transposed
+// once for the tile, so that four query rows' scores are FMAs of broadcast query values over key vectors (no sums
+// across lanes); one softmax update a row for the chunk; the four rows' values summed together, each value vector
+// loaded once for them. NV = D / 16.
 template <int64_t NV>
 void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
                         int64_t s, int64_t h, int64_t t0, int64_t t1, float scale, int64_t window) {
-  constexpr int64_t D = NV * 16, BS = 32;
+  // RB query rows at a time: RB x NV value sums and RB x 2 score sums stay in the 32 registers
+  constexpr int64_t D = NV * 16, BS = 32, CHUNK = 128, RB = NV <= 4 ? 5 : 3;
   const int64_t G = sh.G, rows = (t1 - t0) * G;
   const int64_t p0 = seqs.pos(s, t0), plast = p0 + (t1 - t0) - 1;
-  std::vector<float> buf(rows * (2 * D + 2) + D * BS + 32);
+  std::vector<float> buf(rows * (2 * D + 2) + 2 * D * CHUNK + RB * CHUNK + 32);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-  float *q = base, *o = q + rows * D, *vf = o + rows * D, *m = vf + BS * D, *l = m + rows;
+  float *q = base, *o = q + rows * D, *kt = o + rows * D, *vf = kt + D * CHUNK, *sc = vf + CHUNK * D;
+  float *m = sc + RB * CHUNK, *l = m + rows;
+  const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t t = t0; t < t1; t++)
     for (int64_t g = 0; g < G; g++) {
       const float* src = query + t * sh.H * D + (h * G + g) * D;
       float* dst = q + ((t - t0) * G + g) * D;
-      for (int64_t c = 0; c < NV; c++)
-        _mm512_store_ps(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(src + c * 16), _mm512_set1_ps(scale)));
+      for (int64_t c = 0; c < NV; c++) _mm512_store_ps(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(src + c * 16), sv));
     }
   for (int64_t r = 0; r < rows; r++) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
   std::fill(o, o + rows * D, 0.f);
-  alignas(64) float tmp[BS * D];
-  for (int64_t start = (first_seen(p0, window) / BS) * BS; start <= plast; start += BS) {
-    const int64_t n = std::min(BS, plast + 1 - start);
-    const int32_t b = seqs.block(s, start, BS);
-    const int8_t* kb = rows_of(kc, sh, b, h);
-    const float* ks = scales_of(const_cast<int8_t*>(kb), sh);
-    const int8_t* vb = rows_of(vc, sh, b, h);
-    const float* vs = scales_of(const_cast<int8_t*>(vb), sh);
-    for (int64_t j = 0; j < BS; j++)
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t start = (first_seen(p0, window) / BS) * BS; start <= plast; start += CHUNK) {
+    const int64_t n = std::min(CHUNK, plast + 1 - start), groups = (n + 63) / 64;  // 64-key groups
+    // slots start + j: values widened and scaled into vf; keys likewise, 16 slots at a time, transposed (kt[d][j])
+    for (int64_t j0 = 0; j0 < groups * 64; j0 += 16) {
+      const int8_t* krow[16];
+      float kscale[16];
+      for (int64_t e = 0; e < 16; e++) {
+        const int64_t j = j0 + e, slot = start + j;
+        if (j < n) {
+          const int8_t* kb = rows_of(kc, sh, seqs.block(s, slot, BS), h);
+          const int8_t* vb = rows_of(vc, sh, seqs.block(s, slot, BS), h);
+          const int64_t at = slot % BS;
+          krow[e] = kb + at * D;
+          kscale[e] = scales_of(const_cast<int8_t*>(kb), sh)[at];
+          const __m512 vs = _mm512_set1_ps(scales_of(const_cast<int8_t*>(vb), sh)[at]);
+          for (int64_t c = 0; c < NV; c++)
+            _mm512_store_ps(vf + j * D + c * 16, _mm512_mul_ps(widen(vb + at * D + c * 16), vs));
+        } else {
+          krow[e] = nullptr;
+          for (int64_t c = 0; c < NV; c++) _mm512_store_ps(vf + j * D + c * 16, _mm512_setzero_ps());
+        }
+      }
       for (int64_t c = 0; c < NV; c++) {
-        const bool in = j < n;
-        _mm512_store_ps(tmp + j * D + c * 16, in ? _mm512_mul_ps(widen(kb + j * D + c * 16), _mm512_set1_ps(ks[j]))
-                                                 : _mm512_setzero_ps());
-        _mm512_store_ps(vf + j * D + c * 16, in ? _mm512_mul_ps(widen(vb + j * D + c * 16), _mm512_set1_ps(vs[j]))
-                                                : _mm512_setzero_ps());
+        __m512 r[16];
+        for (int64_t e = 0; e < 16; e++)
+          r[e] = krow[e] ? _mm512_mul_ps(widen(krow[e] + c * 16), _mm512_set1_ps(kscale[e])) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t e = 0; e < 16; e++) _mm512_store_ps(kt + (c * 16 + e) * CHUNK + j0, r[e]);
       }
-    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t r = 0; r < rows; r++) {
-      const int64_t pos = p0 + r / G, lo = std::max(start, first_seen(pos, window)) - start;
-      const int64_t hi = std::min(n, pos + 1 - start);  // slots start+lo .. start+hi-1
-      if (hi <= lo) continue;
-      const float* qr = q + r * D;
-      // 16 keys' scores at a time: 16 sums over the head dimension, added together (sum16)
-      __m512 sv[2];
-      for (int64_t half = 0; half < 2; half++) {
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < NV; c++) {
-          const __m512 qv = _mm512_load_ps(qr + c * 16);
-#pragma GCC unroll 16
-          for (int k = 0; k < 16; k++)
-            acc[k] = _mm512_fmadd_ps(_mm512_load_ps(tmp + (half * 16 + k) * D + c * 16), qv, acc[k]);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+      const int64_t nr = std::min(RB, rows - r0);
+      const float* qr[RB];
+      int64_t lo[RB], hi[RB];
+      for (int64_t i = 0; i < RB; i++) {
+        const int64_t r = r0 + std::min(i, nr - 1), pos = p0 + r / G;
+        qr[i] = q + r * D;
+        lo[i] = std::max(start, first_seen(pos, window)) - start;
+        hi[i] = i < nr ? std::min(n, pos + 1 - start) : 0;  // slots start+lo .. start+hi-1 seen (none: hi <= lo)
+      }
+      int64_t jlo = CHUNK, jhi = 0;  // the slots any of the rows sees
+      for (int64_t i = 0; i < nr; i++) jlo = std::min(jlo, lo[i]), jhi = std::max(jhi, hi[i]);
+      if (jhi <= jlo) continue;
+      // scores of the RB rows, 64 keys at a time: RB x 4 accumulators, one broadcast query value for four FMAs
+      for (int64_t g64 = jlo / 64; g64 * 64 < jhi; g64++) {
+        __m512 acc[RB][4];
+#pragma GCC unroll 6
+        for (int64_t i = 0; i < RB; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
+        const float* kd = kt + g64 * 64;
+#pragma GCC unroll 2
+        for (int64_t d = 0; d < D; d++) {
+          const __m512 k0 = _mm512_load_ps(kd + d * CHUNK), k1 = _mm512_load_ps(kd + d * CHUNK + 16);
+          const __m512 k2 = _mm512_load_ps(kd + d * CHUNK + 32), k3 = _mm512_load_ps(kd + d * CHUNK + 48);
+#pragma GCC unroll 6
+          for (int64_t i = 0; i < RB; i++) {
+            const __m512 x = _mm512_set1_ps(qr[i][d]);
+            acc[i][0] = _mm512_fmadd_ps(x, k0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(x, k1, acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(x, k2, acc[i][2]);
+            acc[i][3] = _mm512_fmadd_ps(x, k3, acc[i][3]);
+          }
         }
-        sv[half] = sum16(acc);
+#pragma GCC unroll 6
+        for (int64_t i = 0; i < RB; i++)
+          for (int64_t u = 0; u < 4; u++) _mm512_store_ps(sc + i * CHUNK + g64 * 64 + u * 16, acc[i][u]);
       }
-      const uint64_t seen = (hi >= 32 ? ~0ull : (1ull << hi) - 1) & ~((1ull << lo) - 1);
-      const __mmask16 k0 = (__mmask16)(seen & 0xFFFF), k1 = (__mmask16)((seen >> 16) & 0xFFFF);
-      const __m512 s0 = _mm512_mask_mov_ps(ninf, k0, sv[0]), s1 = _mm512_mask_mov_ps(ninf, k1, sv[1]);
-      const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-      const __m512 mv = _mm512_set1_ps(mx);
-      alignas(64) float p[BS];
-      const __m512 e0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(s0, mv)));
-      const __m512 e1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(s1, mv)));
-      _mm512_store_ps(p, e0);
-      _mm512_store_ps(p + 16, e1);
-      const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - mx);
-      l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-      m[r] = mx;
-      float* orow = o + r * D;
-      // two sets of sums (even and odd slots) so that 2 x NV FMA chains are in flight
-      __m512 a0[NV], a1[NV];
-      const __m512 cv = _mm512_set1_ps(corr);
+      // each row's softmax update over the chunk: the slots it does not see count as -inf
+      alignas(64) float corr[RB];
+      for (int64_t i = 0; i < RB; i++) {
+        const int64_t r = r0 + i;
+        float* x = sc + i * CHUNK;
+        if (hi[i] <= lo[i]) {  // nothing seen in this chunk (or a padding row)
+          for (int64_t v = jlo / 16; v * 16 < jhi; v++) _mm512_store_ps(x + v * 16, _mm512_setzero_ps());
+          corr[i] = 1.f;
+          continue;
+        }
+        __m512 mx = _mm512_set1_ps(m[r]);
+        for (int64_t v = jlo / 16; v * 16 < jhi; v++) {
+          const __mmask16 k = first(hi[i] - v * 16) & (__mmask16)~first(lo[i] - v * 16);
+          mx = _mm512_mask_max_ps(mx, k, mx, _mm512_load_ps(x + v * 16));
+        }
+        const float mnew = _mm512_reduce_max_ps(mx);
+        const __m512 mv = _mm512_set1_ps(mnew);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t v = jlo / 16; v * 16 < jhi; v++) {
+          const __mmask16 k = first(hi[i] - v * 16) & (__mmask16)~first(lo[i] - v * 16);
+          const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_load_ps(x + v * 16), mv)));
+          _mm512_store_ps(x + v * 16, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        // e^(m - mnew) for the sums so far (0 where nothing was seen before: m = -inf, clamped by exp16)
+        corr[i] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mnew)));
+        l[r] = l[r] * corr[i] + _mm512_reduce_add_ps(sum);
+        m[r] = mnew;
+      }
+      // the RB rows' values together: each value vector loaded once, RB x NV accumulators
+      __m512 acc[RB][NV];
+#pragma GCC unroll 6
+      for (int64_t i = 0; i < RB; i++) {
+        const float* orow = o + (r0 + std::min(i, nr - 1)) * D;
+        const __m512 cv = _mm512_set1_ps(corr[i]);
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < NV; c++) a0[c] = _mm512_mul_ps(_mm512_load_ps(orow + c * 16), cv), a1[c] = _mm512_setzero_ps();
-      int64_t j = lo;
-      for (; j + 1 < hi; j += 2) {
-        const __m512 w0 = _mm512_set1_ps(p[j]), w1 = _mm512_set1_ps(p[j + 1]);
+        for (int64_t c = 0; c < NV; c++) acc[i][c] = _mm512_mul_ps(_mm512_load_ps(orow + c * 16), cv);
+      }
+      for (int64_t j = jlo; j < jhi; j++) {
+        __m512 v[NV];
 #pragma GCC unroll 8
-        for (int64_t c = 0; c < NV; c++) {
-          a0[c] = _mm512_fmadd_ps(w0, _mm512_load_ps(vf + j * D + c * 16), a0[c]);
-          a1[c] = _mm512_fmadd_ps(w1, _mm512_load_ps(vf + (j + 1) * D + c * 16), a1[c]);
+        for (int64_t c = 0; c < NV; c++) v[c] = _mm512_load_ps(vf + j * D + c * 16);
+#pragma GCC unroll 6
+        for (int64_t i = 0; i < RB; i++) {
+          const __m512 w = _mm512_set1_ps(sc[i * CHUNK + j]);
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < NV; c++) acc[i][c] = _mm512_fmadd_ps(w, v[c], acc[i][c]);
         }
       }
-      if (j < hi) {
-        const __m512 w0 = _mm512_set1_ps(p[j]);
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < NV; c++) a0[c] = _mm512_fmadd_ps(w0, _mm512_load_ps(vf + j * D + c * 16), a0[c]);
-      }
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < NV; c++) _mm512_store_ps(orow + c * 16, _mm512_add_ps(a0[c], a1[c]));
+      for (int64_t i = 0; i < nr; i++)
+        for (int64_t c = 0; c < NV; c++) _mm512_store_ps(o + (r0 + i) * D + c * 16, acc[i][c]);
     }
   }
   for (int64_t t = t0; t < t1; t++)
