@@ -46,16 +46,28 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def library() -> Path:
+# the compiler's flags: for this CPU, 512-bit vectors where it has them (GCC's default for some AVX-512 CPUs is 256)
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
+         "-shared", "-fPIC", "-DNDEBUG")
+# portable: without AVX-512, so that the loops a CPU without it runs (an AVX2 Zen 3's) are tested on one with it;
+# KVEXPORT_I8_PORTABLE=1 makes it the library every i8 engine of the process loads (two builds of the op cannot be
+# loaded in one process: they register the same op)
+PORTABLE = ("-mno-avx512f",)
+
+
+def library(portable: bool | None = None) -> Path:
     """The op's extension library, compiled here the first time (BackendUnavailableError where it cannot be)."""
     import openvino as ov
 
+    if portable is None:
+        portable = os.environ.get("KVEXPORT_I8_PORTABLE", "") == "1"
     include = Path(ov.__file__).parent / "include"
     libs = Path(ov.__file__).parent / "libs"
+    flags = FLAGS + (PORTABLE if portable else ())
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + ov.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(b" ".join([source, ov.__version__.encode(), _cpu_flags().encode(), *(f.encode() for f in flags)]))
     cache = Path(os.environ.get("KVEXPORT_CACHE_DIR") or Path.home() / ".cache" / "kvexport")
-    lib = cache / f"libkvexport_ov_int8_{key}.so"
+    lib = cache / f"libkvexport_ov_int8_{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     cxx = os.environ.get("CXX") or "c++"
@@ -71,8 +83,7 @@ def library() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [cxx, "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
-               "-DNDEBUG", str(SOURCE), f"-I{include}", str(openvino[0]), str(tbb[0]), f"-Wl,-rpath,{libs}",
+        cmd = [cxx, *flags, str(SOURCE), f"-I{include}", str(openvino[0]), str(tbb[0]), f"-Wl,-rpath,{libs}",
                "-o", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:

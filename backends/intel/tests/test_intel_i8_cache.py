@@ -22,7 +22,9 @@ from kvexport_intel.int8_blocks import BLOCK, dequantize, library  # noqa: E402
 
 @pytest.fixture(scope="module")
 def op_lib() -> Path:
-    return library()  # compiled once per machine and source (a few seconds)
+    """The op as this CPU compiles it (without AVX-512 where KVEXPORT_I8_PORTABLE=1: the loops an AVX2 CPU runs),
+    once per machine and source (a few seconds)."""
+    return library()
 
 
 def op_model(lib: Path, H: int, KV: int, D: int, window: int) -> object:
@@ -168,6 +170,20 @@ def test_i8_is_chosen_at_load_not_at_build(intel_artifacts: dict, tmp_path: Path
     with pytest.raises(InputError, match="kv_precision is one of .* not .i8."):  # before any export
         build(ckpt, tmp_path / "x.kvx", target="intel", max_seq=64, verify=False,
               options=BuildOptions(extra={"kv_precision": "i8"}))
+
+
+def test_the_portable_loops_attend_as_the_avx512_kernels_do() -> None:
+    """The op tests above again, in a process whose op is compiled without AVX-512: the loops a CPU without it (an
+    AVX2 Zen 3) runs, checked on every CPU (two builds of the op cannot share a process)."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("KVEXPORT_I8_PORTABLE") == "1":
+        pytest.skip("this process already runs the portable op")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "op_"],
+                          env={**os.environ, "KVEXPORT_I8_PORTABLE": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def test_i8_without_a_compiler_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
