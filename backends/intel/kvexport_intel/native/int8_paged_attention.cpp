@@ -561,7 +561,7 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
 }
 #endif
 
-// The kernels for a shape: AVX-512 for head sizes 64 and 128 (blocks of 32 for prompts) where compiled with it,
+// The kernels for a shape: AVX-512 for head sizes 32, 64, 96 and 128 (blocks of 32 for prompts) where compiled with it,
 // else the loops above, specialized where the sizes are the usual ones.
 using RunKernel = void (*)(const float*, int64_t, int8_t*, int8_t*, const Shape&, const Seqs&, int64_t, int64_t,
                            int64_t, int64_t, float*, float*, float*);
@@ -570,8 +570,12 @@ using TileKernel = void (*)(const float*, float*, int8_t*, int8_t*, const Shape&
 
 RunKernel run_kernel_for(const Shape& sh) {
 #ifdef __AVX512F__
-  if (sh.D == 64) return attend_run_avx512<4>;
-  if (sh.D == 128) return attend_run_avx512<8>;
+  switch (sh.D) {
+    case 32: return attend_run_avx512<2>;
+    case 64: return attend_run_avx512<4>;
+    case 96: return attend_run_avx512<6>;
+    case 128: return attend_run_avx512<8>;
+  }
 #endif
   return sh.BS != 32 ? attend_run<0, 0> : sh.D == 64 ? attend_run<64, 32> : sh.D == 128 ? attend_run<128, 32>
                                                                                           : attend_run<0, 32>;
@@ -579,8 +583,12 @@ RunKernel run_kernel_for(const Shape& sh) {
 
 TileKernel tile_kernel_for(const Shape& sh) {
 #ifdef __AVX512F__
-  if (sh.BS == 32 && sh.D == 64) return attend_tile_avx512<4>;
-  if (sh.BS == 32 && sh.D == 128) return attend_tile_avx512<8>;
+  if (sh.BS == 32) switch (sh.D) {
+      case 32: return attend_tile_avx512<2>;
+      case 64: return attend_tile_avx512<4>;
+      case 96: return attend_tile_avx512<6>;
+      case 128: return attend_tile_avx512<8>;
+    }
 #endif
   return sh.BS != 32 ? attend_tile<0, 0> : sh.D == 64 ? attend_tile<64, 32> : sh.D == 128 ? attend_tile<128, 32>
                                                                                           : attend_tile<0, 32>;
@@ -639,6 +647,26 @@ class Int8PagedAttention : public ov::op::Op {
                     inputs[8].data<const int32_t>(), (int64_t)inputs[5].get_size()};
     const float scale = *inputs[9].data<const float>();
     const int64_t window = *inputs[10].data<const int32_t>();
+    // the sequence inputs must describe slots inside the caches: anything else would write out of bounds
+    const auto& cache_shape = inputs[3].get_shape();
+    if (cache_shape.size() != 4 || inputs[4].get_shape() != cache_shape || (int64_t)cache_shape[1] != sh.KV ||
+        (int64_t)cache_shape[2] != sh.BS || (int64_t)cache_shape[3] != sh.D + 4 ||
+        (int64_t)inputs[1].get_size() != T * sh.KV * sh.D || (int64_t)inputs[2].get_size() != T * sh.KV * sh.D ||
+        (int64_t)inputs[6].get_size() != seqs.n + 1 || (int64_t)inputs[8].get_size() != seqs.n + 1 ||
+        seqs.begins[0] != 0 || seqs.begins[seqs.n] != T || seqs.block_begins[0] != 0 ||
+        seqs.block_begins[seqs.n] > (int64_t)inputs[7].get_size())
+      OPENVINO_THROW("Int8PagedAttention: inputs do not describe the caches (shapes or sequence bounds)");
+    const int64_t num_blocks = (int64_t)cache_shape[0];
+    for (int64_t s = 0; s < seqs.n; s++) {
+      const int64_t held = seqs.past[s] + seqs.begins[s + 1] - seqs.begins[s];
+      const int64_t table = seqs.block_begins[s + 1] - seqs.block_begins[s];
+      if (seqs.past[s] < 0 || seqs.begins[s + 1] < seqs.begins[s] || table < 0 || held > table * sh.BS)
+        OPENVINO_THROW("Int8PagedAttention: sequence ", s, " holds ", held, " slots but its block table has ", table,
+                       " blocks of ", sh.BS);
+      for (int64_t b = seqs.block_begins[s]; b < seqs.block_begins[s + 1]; b++)
+        if (seqs.blocks[b] < 0 || seqs.blocks[b] >= num_blocks)
+          OPENVINO_THROW("Int8PagedAttention: block ", seqs.blocks[b], " is not one of the caches' ", num_blocks);
+    }
     outputs[0].set_shape(qt.get_shape());
     float* out = outputs[0].data<float>();
 
