@@ -62,14 +62,15 @@ def resolve(backend: Backend, options: BuildOptions, flags: set[str],
     for name, (flag, values) in caps.option_aliases.items():
         if name not in options.extra:
             continue
-        raw = str(options.extra.pop(name)).lower()
+        raw = str(options.extra[name]).lower()
         if raw not in values:
             raise InputError(f"--option {name} is one of {', '.join(values)} (another name for --{flag}), not {raw!r}")
         if kv_asked is not None and canonical(kv_asked) != values[raw]:
             raise InputError(f"--option {name}={raw} is --{flag} {values[raw]}, and --{flag} {kv_asked} was given too: "
                              "pass one")
+        options.extra[name] = raw  # kept for the backend: two of its spellings may be one mode (intel's u8 and i8)
         kv_asked = values[raw]
-        say(f"--option {name}={raw} is the same as --{flag} {values[raw]}, its name on every target")
+        say(f"--option {name}={raw} is a --{flag} {values[raw]} cache (--{flag} is its name on every target)")
     weights = _mode("--weights", "weight", options.weights or options.precision, WEIGHT_MODES, caps.precisions, target)
     kv = _mode("--kv", "KV-cache", kv_asked, KV_MODES, caps.kv_modes, target)
     if group is not None:

@@ -18,7 +18,7 @@ from kvexport_intel.session import KV_ITEM_BYTES, LOSSLESS_KV, IntelSession
 
 ENGINE_DIR = "engine"
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16"}
-# i8: kvexport's own int8 blocks under its own paged-attention op (kvexport_intel.int8_blocks), a load option only
+# i8: kvexport's own int8 blocks under its own paged-attention op (kvexport_intel.int8_blocks); --kv int8 is u8
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8", "i8")
 KV_MODES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "u8"}  # --kv -> OpenVINO's KV_CACHE_PRECISION
 # --weights: fp32/bf16 are OpenVINO's INFERENCE_PRECISION_HINT over f32 weights; int8/int4 are NNCF-compressed
@@ -28,9 +28,10 @@ OPTIONS = (
     Option("numa_node", "str", None, "pin threads and memory to this NUMA node (a number, or auto)", phase="both"),
     Option("numa_bind", "bool", True, "bind memory to the NUMA node the threads are pinned to", phase="both"),
     Option("engine", "str", "openvino", "the engine to build (IPEX is end-of-life)", choices=("openvino", "ipex")),
-    Option("kv_precision", "str", None, "load the cache in another precision than built (f32, f16, bf16, u8, or i8: "
-           "kvexport's int8 blocks, one f32 scale per token and head, for paged requests); at build it is another "
-           "name for --kv", choices=KV_PRECISIONS, phase="load"),
+    Option("kv_precision", "str", None, "the cache's precision in OpenVINO's words (f32, f16, bf16, u8), or i8: "
+           "kvexport's own int8 blocks, one f32 scale per token and head (0.266x f32 at head_dim 64, u8 0.281x), "
+           "for paged requests; at build another name for --kv (u8 and i8 are --kv int8), at load another "
+           "precision than built", choices=KV_PRECISIONS, phase="load"),
     Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
            phase="load"),
     Option("batch_rows", "str", "paged", "how the serving scheduler batches requests: paged (OpenVINO paged "
@@ -105,7 +106,7 @@ class IntelBackend(Backend):
             sdk=("openvino",),
             kv_modes=tuple(KV_MODES),
             options=OPTIONS,
-            option_aliases={"kv_precision": ("kv", {v: k for k, v in KV_MODES.items()})},
+            option_aliases={"kv_precision": ("kv", {**{v: k for k, v in KV_MODES.items()}, "i8": "int8"})},
         )
 
     def availability(self) -> list[str]:
@@ -141,6 +142,10 @@ class IntelBackend(Backend):
                              + ("this CPU has neither AMX-BF16 nor AVX512-BF16" if not isa.has_bf16(flags)
                                 else f"--weights {weights}") + "); for a 2-byte cache under f32 activations pass "
                              "--kv fp16 (the same bytes, 3 more mantissa bits), or --kv fp32")
+        if kv == "i8":  # its op is compiled here, so a missing compiler stops the build before the export
+            from kvexport_intel.int8_blocks import library
+
+            library()
         if kv != "f32" and "ring_cache" in options.extra and extra["ring_cache"]:
             raise InputError(f"--option ring_cache=true with the {kv} cache: {RINGS_F32}; build with --kv fp32 to keep "
                              "the rings, or leave ring_cache unset for a quantized cache on full-length sliding layers")
@@ -260,6 +265,14 @@ class IntelBackend(Backend):
         if held == "bf16":  # core's record would say the --kv asked for; this is the cache held
             manifest.raw["target"]["kv"] = {"dtype": "bf16", "bytes_per_token": self.kv_bytes_per_token(manifest, "bf16"),
                                             "why": BF16_HELD}
+        if held == "i8":  # core's record counts u8's f32 scale and zero point; i8 holds one f32 scale
+            from kvexport_intel.int8_blocks import slot_bytes
+
+            cfg = manifest.config
+            manifest.raw["target"]["kv"] = {"dtype": "int8", "format": "i8: kvexport's int8 blocks, one f32 scale per "
+                                            "token and KV head (kvexport_intel.int8_blocks)",
+                                            "bytes_per_token": cfg.num_hidden_layers * slot_bytes(cfg.num_key_value_heads,
+                                                                                                  cfg.head_dim)}
 
     # --- load -------------------------------------------------------------------------------
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None,
@@ -314,8 +327,13 @@ class IntelBackend(Backend):
 
         def cache_twin(cache: str) -> IntelSession:  # the same engine at f32 activations with `cache`
             twin_config = _compile_config("fp32", cache, int(threads), pinned=True, compressed=compressed)
-            return self._session(core.compile_model(core.read_model(str(xml)), "CPU", twin_config), manifest,
+            twin = self._session(core.compile_model(core.read_model(str(xml)), "CPU", twin_config), manifest,
                                  {**facts, "precision": "fp32", "kv_precision": cache}, ring)
+            # its prompts paged as the engine's are, so that an i8 twin holds i8 blocks (its state would be u8)
+            twin.model_path, twin.compile_config = str(xml), twin_config
+            twin.paged_prefill_min, twin.paged_split = session.paged_prefill_min, session.paged_split
+            twin.state_names, twin.windows = session.state_names, session.windows
+            return twin
 
         session.cache_twin = cache_twin
         session.batch_rows = str(options.get("batch_rows") or "paged")
@@ -392,11 +410,7 @@ def _activations(weights: str, flags: set[str]) -> str:
 def _build_kv(options: BuildOptions) -> str:
     """The cache precision a build asks for, in OpenVINO's words: core hands --kv (or --option kv_precision, its
     alias) in options.kv; a direct caller of build may still pass kv_precision in options.extra."""
-    kv = _kv_precision(options.extra.get("kv_precision") or KV_MODES[options.kv or "fp32"])
-    if kv == "i8":
-        raise InputError("kv_precision=i8 is chosen when an artifact is loaded, not built: build with --kv int8 and "
-                         "load it with --option kv_precision=i8 (run, verify, bench, serve)")
-    return kv
+    return _kv_precision(options.extra.get("kv_precision") or KV_MODES[options.kv or "fp32"])
 
 
 def _weights_mode(options: BuildOptions) -> str | None:

@@ -186,14 +186,29 @@ def test_i8_engine_within_the_int8_row_of_its_f32_cache(intel_artifacts: dict) -
     assert np.abs(ref - got).max() > 1e-5  # the blocks are rounded: not the f32 cache's logits
 
 
-def test_i8_is_chosen_at_load_not_at_build(intel_artifacts: dict, tmp_path: Path) -> None:
+def test_a_build_may_choose_i8_and_records_its_bytes(intel_artifacts: dict, tmp_path: Path) -> None:
+    """`--kv int8 --option kv_precision=i8` builds an artifact that loads with the i8 cache: the manifest records
+    kv_precision i8 and the cache's own bytes a token (head_dim + 4 a KV head, key and value, every layer), which a
+    loaded request's blocks measure; --kv fp32 with kv_precision=i8 is refused before the export."""
     from kvexport.backends import BuildOptions
     from kvexport.build import build
 
     ckpt, _ = intel_artifacts["llama"]
-    with pytest.raises(InputError, match="kv_precision is one of .* not .i8."):  # before any export
-        build(ckpt, tmp_path / "x.kvx", target="intel", max_seq=64, verify=False,
-              options=BuildOptions(extra={"kv_precision": "i8"}))
+    with pytest.raises(InputError, match="kv_precision=i8 is --kv int8, and --kv fp32 was given too"):
+        build(ckpt, tmp_path / "no.kvx", target="intel", max_seq=64, verify=False,
+              options=BuildOptions(kv="fp32", extra={"kv_precision": "i8"}))
+    assert not (tmp_path / "no.kvx").exists()
+    art = build(ckpt, tmp_path / "i8.kvx", target="intel", max_seq=64, verify=False,
+                options=BuildOptions(kv="int8", extra={"kv_precision": "i8"}))
+    engine = kvexport.load(str(art), precision="fp32")
+    target, s = engine.manifest.target, engine.session
+    per_token = s.num_layers * 2 * s.kv_heads * (s.head_dim + 4)
+    assert target["options"]["kv_precision"] == "i8" and s.facts["kv_precision"] == "i8"
+    assert target["kv"]["dtype"] == "int8" and target["kv"]["bytes_per_token"] == per_token
+    b = engine.prefill([5, 9, 23, 41, 7] * 8, 2)
+    assert s.cache_bytes(b.state) == 40 * per_token
+    assert s.facts["paged_attention"].startswith("kvexport's Int8PagedAttention")
+    s.release(b.state)
 
 
 def test_the_portable_loops_attend_as_the_avx512_kernels_do() -> None:
