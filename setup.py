@@ -49,7 +49,7 @@ class BuildNative(build_ext):
 setup(
     ext_modules=[Extension("kvexport.native.libkvexport_native",
                            sources=["kvexport/native/qmatmul.c", "kvexport/native/attention.c"],
-                           depends=["kvexport/native/ops.h"],
+                           depends=["kvexport/native/ops.h", "kvexport/native/simd_math.h"],
                            extra_compile_args=["-O3", "-std=c11", "-Wall"], libraries=["m"])],
     cmdclass={"build_ext": BuildNative},
 )

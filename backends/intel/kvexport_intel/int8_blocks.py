@@ -26,9 +26,12 @@ from typing import Any
 
 import numpy as np
 
+import kvexport
 from kvexport.errors import BackendUnavailableError
 
 SOURCE = Path(__file__).parent / "native" / "int8_paged_attention.cpp"
+# the folder of the vector math it shares with kvexport's ONNX Runtime kernels (kvexport/native/simd_math.h)
+SHARED = Path(kvexport.__file__).parent / "native"
 OP_TYPE = "Int8PagedAttention"
 BLOCK = 32  # tokens a block, as OpenVINO's CPU plugin pages its own caches
 SCALE_BYTES = 4  # each slot's f32 scale, held in its block after the values
@@ -64,7 +67,7 @@ def library(portable: bool | None = None) -> Path:
     include = Path(ov.__file__).parent / "include"
     libs = Path(ov.__file__).parent / "libs"
     flags = FLAGS + (PORTABLE if portable else ())
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + (SHARED / "simd_math.h").read_bytes()
     key = hashlib.sha256(b" ".join([source, ov.__version__.encode(), _cpu_flags().encode(), *(f.encode() for f in flags)]))
     cache = Path(os.environ.get("KVEXPORT_CACHE_DIR") or Path.home() / ".cache" / "kvexport")
     lib = cache / f"libkvexport_ov_int8_{key.hexdigest()[:16]}.so"
@@ -83,8 +86,8 @@ def library(portable: bool | None = None) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [cxx, *flags, str(SOURCE), f"-I{include}", str(openvino[0]), str(tbb[0]), f"-Wl,-rpath,{libs}",
-               "-o", str(out)]
+        cmd = [cxx, *flags, str(SOURCE), f"-I{include}", f"-I{SHARED}", str(openvino[0]), str(tbb[0]),
+               f"-Wl,-rpath,{libs}", "-o", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise BackendUnavailableError(f"compiling the i8 cache's attention op failed ({' '.join(cmd)}):\n"
