@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -27,7 +26,9 @@ from typing import Any
 import numpy as np
 
 import kvexport
+from kvexport.doctor import read_cpu_flags
 from kvexport.errors import BackendUnavailableError
+from kvexport_intel.paged import KEY_CACHE, PA_OP
 
 SOURCE = Path(__file__).parent / "native" / "int8_paged_attention.cpp"
 # the folder of the vector math it shares with kvexport's ONNX Runtime kernels (kvexport/native/simd_math.h)
@@ -35,18 +36,9 @@ SHARED = Path(kvexport.__file__).parent / "native"
 OP_TYPE = "Int8PagedAttention"
 BLOCK = 32  # tokens a block, as OpenVINO's CPU plugin pages its own caches
 SCALE_BYTES = 4  # each slot's f32 scale, held in its block after the values
-# PagedAttentionExtension's ports (OpenVINO 2026.4) the op takes, in its own order; 3 and 4 (the caches) are new
-PA_PORTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+# the op takes PagedAttentionExtension's first ports (OpenVINO 2026.4) in its order, the caches (KEY_CACHE and the
+# port after it) new ones
+PA_INPUTS, QUERY = 11, 0
 
 
 # the compiler's flags: for this CPU, 512-bit vectors where it has them (GCC's default for some AVX-512 CPUs is 256)
@@ -68,7 +60,8 @@ def library(portable: bool | None = None) -> Path:
     libs = Path(ov.__file__).parent / "libs"
     flags = FLAGS + (PORTABLE if portable else ())
     source = SOURCE.read_bytes() + (SHARED / "simd_math.h").read_bytes()
-    key = hashlib.sha256(b" ".join([source, ov.__version__.encode(), _cpu_flags().encode(), *(f.encode() for f in flags)]))
+    cpu = " ".join(sorted(read_cpu_flags()))
+    key = hashlib.sha256(b" ".join([source, ov.__version__.encode(), cpu.encode(), *(f.encode() for f in flags)]))
     cache = Path(os.environ.get("KVEXPORT_CACHE_DIR") or Path.home() / ".cache" / "kvexport")
     lib = cache / f"libkvexport_ov_int8_{key.hexdigest()[:16]}.so"
     if lib.exists():
@@ -96,24 +89,22 @@ def library(portable: bool | None = None) -> Path:
     return lib
 
 
-def to_int8_blocks(model: Any, *, heads: int, kv_heads: int, head_dim: int, lib: Path) -> int:
+def to_int8_blocks(model: Any, *, kv_heads: int, head_dim: int, lib: Path) -> int:
     """Replace every PagedAttentionExtension of the paged `model` (to_paged's) by kvexport's Int8PagedAttention over
     new int8 cache inputs key_cache.i / value_cache.i of shape (blocks, kv_heads, BLOCK, head_dim + 4), in place;
-    returns how many were replaced."""
+    returns how many were replaced. The query heads are read off each op's query input, (tokens, heads x head_dim)."""
     import openvino as ov
     import openvino.opset13 as opset
     from openvino.utils.node_factory import NodeFactory
 
-    from kvexport_intel.paged import PA_OP
-
     factory = NodeFactory()
     factory.add_extension(str(lib))
-    done = 0
     old, new = [], []
     for pa in [op for op in model.get_ordered_ops() if op.get_type_name() == PA_OP]:
-        inputs = [pa.input_value(i) for i in PA_PORTS]
+        inputs = [pa.input_value(i) for i in range(PA_INPUTS)]
+        heads = pa.get_input_partial_shape(QUERY)[1].get_length() // head_dim
         caches = []
-        for port in (3, 4):
+        for port in (KEY_CACHE, KEY_CACHE + 1):
             param = inputs[port].get_node()
             name = inputs[port].get_any_name()
             cache = opset.parameter([-1, kv_heads, BLOCK, head_dim + SCALE_BYTES], ov.Type.i8, name=name)
@@ -126,12 +117,11 @@ def to_int8_blocks(model: Any, *, heads: int, kv_heads: int, head_dim: int, lib:
         op.set_friendly_name(pa.get_friendly_name())
         pa.output(0).replace(op.output(0))
         new.extend(caches)
-        done += 1
     for param in old:
         model.remove_parameter(param)
     model.add_parameters(new)
     model.validate_nodes_and_infer_types()
-    return done
+    return len(new) // 2
 
 
 def slot_bytes(kv_heads: int, head_dim: int) -> int:

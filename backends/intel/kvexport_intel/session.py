@@ -196,8 +196,7 @@ class IntelSession(Session):
 
             lib = library()  # BackendUnavailableError where it cannot be compiled
             core.add_extension(str(lib))
-            swapped = to_int8_blocks(model, heads=_query_width(model) // self.head_dim, kv_heads=self.kv_heads,
-                                     head_dim=self.head_dim, lib=lib)
+            swapped = to_int8_blocks(model, kv_heads=self.kv_heads, head_dim=self.head_dim, lib=lib)
             self.facts["paged_attention"] = f"kvexport's Int8PagedAttention over int8 blocks ({swapped} layers)"
         if why is None:
             try:
@@ -428,14 +427,6 @@ class IntelSession(Session):
         self._give_back(rows)
         state.rows = None
         state.run_seconds += time.perf_counter() - t0
-
-
-def _query_width(model: Any) -> int:
-    """The paged model's query width, heads x head_dim: the first PagedAttentionExtension's query input (T, H*D)."""
-    from kvexport_intel.paged import PA_OP
-
-    op = next(op for op in model.get_ordered_ops() if op.get_type_name() == PA_OP)
-    return int(op.get_input_partial_shape(0)[1].get_length())
 
 
 def _causal_run(position_ids: np.ndarray, attention_mask: np.ndarray, past: int) -> bool:

@@ -687,14 +687,14 @@ class Int8PagedAttention : public ov::op::Op {
                      float scale, int64_t window) {
     const int64_t D = sh.D, G = sh.G;
     struct Task {
-      int64_t s, h, lo, hi, part;
+      int64_t s, h, lo, hi;
     };
     std::vector<Task> tasks;
     std::vector<int64_t> first(seqs.n * sh.KV + 1, 0);  // tasks of (s, h) are first[s*KV+h] .. first[s*KV+h+1]-1
     for (int64_t s = 0; s < seqs.n; s++) {
       const int64_t pos = seqs.past[s], lo = first_seen(pos, window);
       for (int64_t h = 0; h < sh.KV; h++) {
-        for (int64_t a = lo; a <= pos; a += RUN) tasks.push_back({s, h, a, std::min(a + RUN, pos + 1), 0});
+        for (int64_t a = lo; a <= pos; a += RUN) tasks.push_back({s, h, a, std::min(a + RUN, pos + 1)});
         first[s * sh.KV + h + 1] = (int64_t)tasks.size();
       }
     }
