@@ -44,21 +44,20 @@ PA_INPUTS, QUERY = 11, 0
 # the compiler's flags: for this CPU, 512-bit vectors where it has them (GCC's default for some AVX-512 CPUs is 256)
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
          "-shared", "-fPIC", "-DNDEBUG")
-# portable: without AVX-512, so that the loops a CPU without it runs (an AVX2 Zen 3's) are tested on one with it;
-# KVEXPORT_I8_PORTABLE=1 makes it the library every i8 engine of the process loads (two builds of the op cannot be
-# loaded in one process: they register the same op)
-PORTABLE = ("-mno-avx512f",)
+# builds of the op a process may ask for through its environment, so that the kernels other CPUs run are tested on
+# this one: KVEXPORT_I8_PORTABLE=1 without AVX-512 (the loops an AVX2 Zen 3 runs), KVEXPORT_I8_F32_PROMPTS=1 with
+# AVX-512 prompt kernels in f32 only (what an AVX-512 CPU without VNNI and AVX512-BF16 runs). One a process: two builds
+# of the op cannot be loaded in one process (they register the same op).
+VARIANTS = {"KVEXPORT_I8_PORTABLE": ("-mno-avx512f",), "KVEXPORT_I8_F32_PROMPTS": ("-DKVEXPORT_I8_F32_PROMPTS",)}
 
 
-def library(portable: bool | None = None) -> Path:
+def library() -> Path:
     """The op's extension library, compiled here the first time (BackendUnavailableError where it cannot be)."""
     import openvino as ov
 
-    if portable is None:
-        portable = os.environ.get("KVEXPORT_I8_PORTABLE", "") == "1"
     include = Path(ov.__file__).parent / "include"
     libs = Path(ov.__file__).parent / "libs"
-    flags = FLAGS + (PORTABLE if portable else ())
+    flags = FLAGS + sum((extra for name, extra in VARIANTS.items() if os.environ.get(name) == "1"), ())
     source = SOURCE.read_bytes() + (SHARED / "simd_math.h").read_bytes()
     cpu = " ".join(sorted(read_cpu_flags()))
     key = hashlib.sha256(b" ".join([source, ov.__version__.encode(), cpu.encode(), *(f.encode() for f in flags)]))
@@ -87,6 +86,16 @@ def library(portable: bool | None = None) -> Path:
                                           f"{done.stderr[-2000:]}\nload with --option kv_precision=u8 instead")
         os.replace(out, lib)  # atomic: another process compiling the same key lands the same file
     return lib
+
+
+def kernels(lib: Path, head_dim: int) -> str:
+    """What the library's kernels for `head_dim` compute with (for instance "decode: AVX-512 f32; prompts: AVX-512,
+    scores int8 (VNNI), weighted values bf16 (AVX512-BF16)"), as the library itself says."""
+    import ctypes
+
+    said = ctypes.CDLL(str(lib)).kvexport_i8_kernels
+    said.restype, said.argtypes = ctypes.c_char_p, [ctypes.c_int64]
+    return said(head_dim).decode()
 
 
 def to_int8_blocks(model: Any, *, kv_heads: int, head_dim: int, lib: Path) -> int:

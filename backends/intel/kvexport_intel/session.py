@@ -192,12 +192,13 @@ class IntelSession(Session):
             config = {**config, "KEY_CACHE_QUANT_MODE": PAGED_KEY_QUANT}
         why, compiled = to_paged(model, self.windows, split_packed=self.paged_split), None
         if why is None and self.facts.get("kv_precision") == "i8":
-            from kvexport_intel.int8_blocks import library, to_int8_blocks
+            from kvexport_intel.int8_blocks import kernels, library, to_int8_blocks
 
             lib = library()  # BackendUnavailableError where it cannot be compiled
             core.add_extension(str(lib))
             swapped = to_int8_blocks(model, kv_heads=self.kv_heads, head_dim=self.head_dim, lib=lib)
             self.facts["paged_attention"] = f"kvexport's Int8PagedAttention over int8 blocks ({swapped} layers)"
+            self.facts["i8_kernels"] = kernels(lib, self.head_dim)
         if why is None:
             try:
                 compiled = core.compile_model(model, "CPU", config)

@@ -51,6 +51,25 @@ def op_model(lib: Path, H: int, KV: int, D: int, window: int) -> object:
     return core.compile_model(ov.Model([op.output(0)], [q, k, v, *caches, *seq]), "CPU", {"INFERENCE_NUM_THREADS": 2})
 
 
+def as_prompt_kernel(op_lib: Path, q: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, float]:
+    """What the prompt kernel of this build computes with, for the reference: the query rows (tokens, heads, D) it
+    multiplies (where its scores are int8 VNNI products: each head's row, scaled by D^-0.5 in f32, rounded to int8 with
+    one scale, as the kernel does), and how far its output may be from the reference's (where its weighted values are
+    bf16 pair products: each weight rounded to bf16's 8 significant bits, at most 2^-8 of it off, so the output at most
+    2^-8 of the largest value)."""
+    said = int8_blocks.kernels(op_lib, q.shape[-1])
+    atol = 2e-5
+    if "weighted values bf16" in said:
+        atol += 2.0 ** -8 * float(np.abs(values).max())
+    if "scores int8" in said:
+        scale = np.float32(q.shape[-1] ** -0.5)
+        x = q.astype(np.float32) * scale
+        amax = np.abs(x).max(axis=-1, keepdims=True)
+        qi = np.clip(np.rint(x * (np.float32(127) / np.where(amax > 0, amax, 1))), -127, 127)
+        q = qi.astype(np.float64) * (amax / np.float32(127)).astype(np.float64) / np.float64(scale)
+    return q, atol
+
+
 def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, pos: int, window: int) -> np.ndarray:
     """One token's attention at position `pos` over slots 0..pos (keys, values: (KV, slots, D)), in float64."""
     H, D = q.shape
@@ -88,6 +107,7 @@ def test_op_attends_over_the_blocks_it_wrote(op_lib: Path, D: int, window: int) 
                              "blocks": np.array(sum(tables, []), np.int32),
                              "block_begins": np.array([0, 2, 4], np.int32)})[0]
         blocks = [dequantize(c, D) for c in caches]
+        prompt = counts != [1] * len(counts)  # else a decode step, whose kernel multiplies in f32
         t = 0
         for s, (p, n) in enumerate(zip(past, counts)):
             # what the blocks hold for this sequence: (KV, slots, D)
@@ -97,8 +117,10 @@ def test_op_attends_over_the_blocks_it_wrote(op_lib: Path, D: int, window: int) 
                     x = given[t + j].reshape(KV, D)
                     step_ = np.abs(x).max(axis=1, keepdims=True) / 127
                     assert np.all(np.abs(got[:, p + j] - x) <= step_ / 2 + 1e-6)
-                want = reference(q[t + j].reshape(H, D), kv[0], kv[1], p + j, window)
-                np.testing.assert_allclose(out[t + j].reshape(H, D), want, rtol=0, atol=2e-5)
+                qj, atol = as_prompt_kernel(op_lib, q[t + j].reshape(H, D), kv[1]) if prompt else \
+                    (q[t + j].reshape(H, D), 2e-5)
+                want = reference(qj, kv[0], kv[1], p + j, window)
+                np.testing.assert_allclose(out[t + j].reshape(H, D), want, rtol=0, atol=atol)
             t += n
 
     step([0, 37], [40, 5])
@@ -175,6 +197,7 @@ def test_i8_engine_within_the_int8_row_of_its_f32_cache(intel_artifacts: dict) -
     got = fed(engine, ids, [int(t) for t in ref.argmax(-1)[:-1]])
     s = engine.session
     assert s.facts["paged_attention"] == f"kvexport's Int8PagedAttention over int8 blocks ({s.num_layers} layers)"
+    assert s.facts["i8_kernels"].startswith("decode: ")
     b = engine.prefill(ids, 2)
     assert {c.dtype for c in b.state.rows.caches} == {np.dtype(np.int8)}
     assert s.cache_bytes(b.state) == len(ids) * s.num_layers * 2 * s.kv_heads * (s.head_dim + 4)
@@ -211,13 +234,19 @@ def test_a_build_may_choose_i8_and_records_its_bytes(intel_artifacts: dict, tmp_
     s.release(b.state)
 
 
-def test_the_portable_loops_attend_as_the_avx512_kernels_do() -> None:
-    """The op tests above again, in a process whose op is compiled without AVX-512: the loops a CPU without it (an
-    AVX2 Zen 3) runs, checked on every CPU (two builds of the op cannot share a process)."""
-    if os.environ.get("KVEXPORT_I8_PORTABLE") == "1":
-        pytest.skip("this process already runs the portable op")
+@pytest.mark.parametrize("variant", list(int8_blocks.VARIANTS))
+def test_other_builds_attend_as_this_one_does(variant: str) -> None:
+    """The op tests above again, in a process whose op is compiled as another CPU's is (two builds of the op cannot
+    share a process): KVEXPORT_I8_PORTABLE without AVX-512 (the loops an AVX2 Zen 3 runs), KVEXPORT_I8_F32_PROMPTS
+    with AVX-512 prompt kernels in f32 (an AVX-512 CPU without VNNI and AVX512-BF16)."""
+    if any(os.environ.get(name) == "1" for name in int8_blocks.VARIANTS):
+        pytest.skip("this process already runs another build of the op")
+    from kvexport.doctor import read_cpu_flags
+
+    if variant == "KVEXPORT_I8_F32_PROMPTS" and "avx512f" not in read_cpu_flags():
+        pytest.skip("no AVX-512 on this CPU: its op has no AVX-512 prompt kernels (the portable loops are tested)")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "op_"],
-                          env={**os.environ, "KVEXPORT_I8_PORTABLE": "1"}, capture_output=True, text=True, timeout=600)
+                          env={**os.environ, variant: "1"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, \
         done.stdout[-3000:] + done.stderr[-3000:]
 

@@ -26,9 +26,11 @@
 // place, nothing copied.
 //
 // A decode step (one new token a sequence) splits each sequence's slots into runs of RUN for the threads and
-// merges the runs' partial softmaxes after; a prompt takes tiles of QTILE tokens, each block of keys and values
-// widened to f32 once for the tile (keys transposed, so that a query row's BS scores come out of vector FMAs
-// over the head dimension without horizontal sums).
+// merges the runs' partial softmaxes after; a prompt takes tiles of QTILE tokens, each chunk of keys and values
+// made ready once for the tile (keys transposed, so that a query row's scores come out of vector products over the
+// head dimension without horizontal sums). Where the CPU has VNNI and AVX512-BF16, a prompt's scores are int8
+// products (its query rows rounded to int8 as the keys are) and its weighted values bf16 pair products (the values'
+// int8 exact, the weights rounded to bf16); decode steps, and CPUs without them, compute in f32.
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
@@ -376,76 +378,198 @@ void attend_run_avx512(const float* q, int64_t G, int8_t* kc, int8_t* vc, const 
   }
 }
 
-// attend_tile for blocks of 32 slots, CHUNK slots (four blocks) at a time: their keys widened (scaled) and transposed
-// once for the tile, so that four query rows' scores are FMAs of broadcast query values over key vectors (no sums
-// across lanes); one softmax update a row for the chunk; the four rows' values summed together, each value vector
-// loaded once for them. NV = D / 16.
+// How the prompt kernel multiplies, where -march=native has the instructions (kernels() names the choice):
+// - the scores of VNNI: each query row quantized to int8 (symmetric, one f32 scale a row, as the keys are stored) and
+//   offset by 128 to u8, four u8 x s8 products a 32-bit lane a vpdpbusd (64 a vector: four times a vector FMA's),
+//   the offset taken back out with each key's sum of values x 128;
+// - the weighted values of AVX512-BF16: the values' int8 (exact in bf16) in pairs of slots, the weights (softmax
+//   times each slot's value scale) rounded to bf16, two products a 32-bit lane a vdpbf16ps (twice a vector FMA's);
+// else f32 FMAs over the keys and values widened and scaled.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(KVEXPORT_I8_F32_PROMPTS)
+#define I8_QK_VNNI 1
+#define I8_QK_NAME "int8 (VNNI)"
+#else
+#define I8_QK_VNNI 0
+#define I8_QK_NAME "f32"
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(KVEXPORT_I8_F32_PROMPTS)
+#define I8_PV_BF16 1
+#define I8_PV_NAME "bf16 (AVX512-BF16)"
+#else
+#define I8_PV_BF16 0
+#define I8_PV_NAME "f32"
+#endif
+
+#if I8_QK_VNNI
+// The scores of NR query rows (u8, offset by 128; rows `row` of qu) over 64 keys (kd: their int8 four a 32-bit lane,
+// kd[d4 * CHUNK + j]), written to sc + i * CHUNK: the u8 x s8 products summed, less the offset's share (kcorr), times
+// the key's and the row's scales.
+template <int64_t D4, int64_t CHUNK, int NR>
+inline void scores_vnni(const uint8_t* qu, const int64_t* row, const int32_t* kd, const int32_t* kcorr,
+                        const float* kscl, const float* qscl, float* sc) {
+  constexpr int64_t D = 4 * D4;
+  __m512i acc[NR][4];
+  for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_si512();
+  for (int64_t d4 = 0; d4 < D4; d4++) {
+    const __m512i k0 = _mm512_load_si512(kd + d4 * CHUNK), k1 = _mm512_load_si512(kd + d4 * CHUNK + 16);
+    const __m512i k2 = _mm512_load_si512(kd + d4 * CHUNK + 32), k3 = _mm512_load_si512(kd + d4 * CHUNK + 48);
+    for (int i = 0; i < NR; i++) {
+      int32_t four;
+      std::memcpy(&four, qu + row[i] * D + 4 * d4, 4);
+      const __m512i x = _mm512_set1_epi32(four);
+      acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], x, k0);
+      acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], x, k1);
+      acc[i][2] = _mm512_dpbusd_epi32(acc[i][2], x, k2);
+      acc[i][3] = _mm512_dpbusd_epi32(acc[i][3], x, k3);
+    }
+  }
+  for (int i = 0; i < NR; i++) {
+    const __m512 qs = _mm512_set1_ps(qscl[row[i]]);
+    for (int u = 0; u < 4; u++) {
+      const __m512i dot = _mm512_sub_epi32(acc[i][u], _mm512_load_si512(kcorr + u * 16));
+      _mm512_store_ps(sc + i * CHUNK + u * 16,
+                      _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_load_ps(kscl + u * 16), qs)));
+    }
+  }
+}
+#endif
+
+// attend_tile for blocks of 32 slots, CHUNK slots (four blocks) at a time: their keys transposed once for the tile,
+// so that RB query rows' scores are vector products of broadcast query values over keys (no sums across lanes); one
+// softmax update a row for the chunk; the RB rows' values summed together, each value vector loaded once for them.
+// NV = D / 16.
 template <int64_t NV>
 void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
                         int64_t s, int64_t h, int64_t t0, int64_t t1, float scale, int64_t window) {
-  // RB query rows at a time: RB x NV value sums and RB x 2 score sums stay in the 32 registers
-  constexpr int64_t D = NV * 16, BS = 32, CHUNK = 128, RB = NV <= 4 ? 5 : 3;
+  // RB query rows at a time: RB x NV value sums and RB x 4 score sums stay in the 32 registers
+  constexpr int64_t D = NV * 16, D4 = D / 4, BS = 32, CHUNK = 128, RB = NV <= 4 ? 5 : 3;
   const int64_t G = sh.G, rows = (t1 - t0) * G;
   const int64_t p0 = seqs.pos(s, t0), plast = p0 + (t1 - t0) - 1;
-  std::vector<float> buf(rows * (2 * D + 2) + 2 * D * CHUNK + RB * CHUNK + 32);
+  // floats: q (rows x D; u8 rows where VNNI), o, keys (D x CHUNK), values (CHUNK x D), scores, weights, scales
+  std::vector<float> buf(rows * (2 * D + 3) + 2 * D * CHUNK + 2 * RB * CHUNK + 4 * CHUNK + 32);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
   float *q = base, *o = q + rows * D, *kt = o + rows * D, *vf = kt + D * CHUNK, *sc = vf + CHUNK * D;
-  float *m = sc + RB * CHUNK, *l = m + rows;
+  float *wt = sc + RB * CHUNK, *kscl = wt + RB * CHUNK, *vscl = kscl + CHUNK, *m = vscl + CHUNK, *l = m + rows;
+  float* qscl = l + rows;
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t t = t0; t < t1; t++)
     for (int64_t g = 0; g < G; g++) {
+      const int64_t r = (t - t0) * G + g;
       const float* src = query + t * sh.H * D + (h * G + g) * D;
-      float* dst = q + ((t - t0) * G + g) * D;
-      for (int64_t c = 0; c < NV; c++) _mm512_store_ps(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(src + c * 16), sv));
+      __m512 x[NV];
+      for (int64_t c = 0; c < NV; c++) x[c] = _mm512_mul_ps(_mm512_loadu_ps(src + c * 16), sv);
+#if I8_QK_VNNI
+      // the row as int8 (q ~ qi * qscl[r]), stored + 128 as u8
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t c = 0; c < NV; c++) amax = _mm512_max_ps(amax, _mm512_abs_ps(x[c]));
+      const float a = _mm512_reduce_max_ps(amax);
+      const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+      uint8_t* qu = reinterpret_cast<uint8_t*>(q) + r * D;
+      for (int64_t c = 0; c < NV; c++) {
+        __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(x[c], inv));  // nearest, ties to even
+        qi = _mm512_add_epi32(_mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127)),
+                              _mm512_set1_epi32(128));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qu + c * 16), _mm512_cvtepi32_epi8(qi));
+      }
+      qscl[r] = a / 127.f;
+#else
+      for (int64_t c = 0; c < NV; c++) _mm512_store_ps(q + r * D + c * 16, x[c]);
+#endif
     }
   for (int64_t r = 0; r < rows; r++) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
   std::fill(o, o + rows * D, 0.f);
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t start = (first_seen(p0, window) / BS) * BS; start <= plast; start += CHUNK) {
     const int64_t n = std::min(CHUNK, plast + 1 - start), groups = (n + 63) / 64;  // 64-key groups
-    // slots start + j: values widened and scaled into vf; keys likewise, 16 slots at a time, transposed (kt[d][j])
+    // slots start + j, 16 at a time: keys transposed (kt[d][j], or kq[d / 4][j]: four int8 of a key a 32-bit lane),
+    // values widened
     for (int64_t j0 = 0; j0 < groups * 64; j0 += 16) {
       const int8_t* krow[16];
-      float kscale[16];
+      const int8_t* vrow[16];
       for (int64_t e = 0; e < 16; e++) {
         const int64_t j = j0 + e, slot = start + j;
         if (j < n) {
           const int8_t* kb = rows_of(kc, sh, seqs.block(s, slot, BS), h);
           const int8_t* vb = rows_of(vc, sh, seqs.block(s, slot, BS), h);
           const int64_t at = slot % BS;
-          krow[e] = kb + at * D;
-          kscale[e] = scales_of(const_cast<int8_t*>(kb), sh)[at];
-          const __m512 vs = _mm512_set1_ps(scales_of(const_cast<int8_t*>(vb), sh)[at]);
-          for (int64_t c = 0; c < NV; c++)
-            _mm512_store_ps(vf + j * D + c * 16, _mm512_mul_ps(widen(vb + at * D + c * 16), vs));
+          krow[e] = kb + at * D, vrow[e] = vb + at * D;
+          kscl[j] = scales_of(const_cast<int8_t*>(kb), sh)[at];
+          vscl[j] = scales_of(const_cast<int8_t*>(vb), sh)[at];
         } else {
-          krow[e] = nullptr;
-          for (int64_t c = 0; c < NV; c++) _mm512_store_ps(vf + j * D + c * 16, _mm512_setzero_ps());
+          krow[e] = vrow[e] = nullptr, kscl[j] = vscl[j] = 0.f;
         }
       }
+#if I8_QK_VNNI
+      int32_t* kq = reinterpret_cast<int32_t*>(kt);
+      for (int64_t c4 = 0; c4 < D4; c4 += 16) {  // 16 of a key's D / 4 lanes at a time
+        const __mmask16 cols = first(D4 - c4);
+        __m512 r[16];
+        for (int64_t e = 0; e < 16; e++)
+          r[e] = krow[e] ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(cols, krow[e] + 4 * c4)) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t e = 0; e < 16 && c4 + e < D4; e++) _mm512_store_ps(kt + (c4 + e) * CHUNK + j0, r[e]);
+      }
+      // each key's sum of values, times 128: what the queries' offset added to its scores
+      __m512i ksum = _mm512_setzero_si512();
+      for (int64_t d4 = 0; d4 < D4; d4++)
+        ksum = _mm512_dpbusd_epi32(ksum, _mm512_set1_epi8(1), _mm512_load_si512(kq + d4 * CHUNK + j0));
+      _mm512_store_si512(reinterpret_cast<int32_t*>(wt) + j0, _mm512_slli_epi32(ksum, 7));  // wt: scratch until scored
+#else
       for (int64_t c = 0; c < NV; c++) {
         __m512 r[16];
         for (int64_t e = 0; e < 16; e++)
-          r[e] = krow[e] ? _mm512_mul_ps(widen(krow[e] + c * 16), _mm512_set1_ps(kscale[e])) : _mm512_setzero_ps();
+          r[e] = krow[e] ? _mm512_mul_ps(widen(krow[e] + c * 16), _mm512_set1_ps(kscl[j0 + e])) : _mm512_setzero_ps();
         transpose16(r);
         for (int64_t e = 0; e < 16; e++) _mm512_store_ps(kt + (c * 16 + e) * CHUNK + j0, r[e]);
       }
+#endif
+#if I8_PV_BF16
+      // slots j, j + 1 in one 32-bit lane a dimension: vp[j / 2][d] = (bf16 v_j[d], bf16 v_j+1[d]); an int8 is exact
+      // in bf16, whose bits are its f32's upper 16
+      uint32_t* vp = reinterpret_cast<uint32_t*>(vf);
+      for (int64_t e = 0; e < 16; e += 2)
+        for (int64_t c = 0; c < NV; c++) {
+          const __m512i lo = vrow[e] ? _mm512_castps_si512(widen(vrow[e] + c * 16)) : _mm512_setzero_si512();
+          const __m512i hi = vrow[e + 1] ? _mm512_castps_si512(widen(vrow[e + 1] + c * 16)) : _mm512_setzero_si512();
+          _mm512_store_si512(vp + (j0 + e) / 2 * D + c * 16,
+                             _mm512_or_si512(_mm512_srli_epi32(lo, 16),
+                                             _mm512_and_si512(hi, _mm512_set1_epi32((int32_t)0xFFFF0000u))));
+        }
+#else
+      for (int64_t e = 0; e < 16; e++)
+        for (int64_t c = 0; c < NV; c++)
+          _mm512_store_ps(vf + (j0 + e) * D + c * 16, vrow[e] ? _mm512_mul_ps(widen(vrow[e] + c * 16),
+                                                                                _mm512_set1_ps(vscl[j0 + e]))
+                                                              : _mm512_setzero_ps());
+#endif
     }
+#if I8_QK_VNNI
+    alignas(64) int32_t kcorr[CHUNK];
+    std::memcpy(kcorr, wt, sizeof kcorr);
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
       const int64_t nr = std::min(RB, rows - r0);
-      const float* qr[RB];
-      int64_t lo[RB], hi[RB];
+      int64_t row[RB], lo[RB], hi[RB];
       for (int64_t i = 0; i < RB; i++) {
         const int64_t r = r0 + std::min(i, nr - 1), pos = p0 + r / G;
-        qr[i] = q + r * D;
+        row[i] = r;
         lo[i] = std::max(start, first_seen(pos, window)) - start;
         hi[i] = i < nr ? std::min(n, pos + 1 - start) : 0;  // slots start+lo .. start+hi-1 seen (none: hi <= lo)
       }
       int64_t jlo = CHUNK, jhi = 0;  // the slots any of the rows sees
       for (int64_t i = 0; i < nr; i++) jlo = std::min(jlo, lo[i]), jhi = std::max(jhi, hi[i]);
       if (jhi <= jlo) continue;
-      // scores of the RB rows, 64 keys at a time: RB x 4 accumulators, one broadcast query value for four FMAs
+      // scores of the RB rows, 64 keys at a time: RB x 4 accumulators, one broadcast query value for four products
       for (int64_t g64 = jlo / 64; g64 * 64 < jhi; g64++) {
+#if I8_QK_VNNI
+        const int32_t* kd = reinterpret_cast<const int32_t*>(kt) + g64 * 64;
+        for (int64_t i = 0; i < RB; i += 2)  // two rows at a time (more accumulators, and GCC copies them around)
+          if (i + 1 < RB)
+            scores_vnni<D4, CHUNK, 2>(reinterpret_cast<const uint8_t*>(q), row + i, kd, kcorr + g64 * 64,
+                                      kscl + g64 * 64, qscl, sc + i * CHUNK + g64 * 64);
+          else
+            scores_vnni<D4, CHUNK, 1>(reinterpret_cast<const uint8_t*>(q), row + i, kd, kcorr + g64 * 64,
+                                      kscl + g64 * 64, qscl, sc + i * CHUNK + g64 * 64);
+#else
         __m512 acc[RB][4];
 #pragma GCC unroll 6
         for (int64_t i = 0; i < RB; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
@@ -456,7 +580,7 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
           const __m512 k2 = _mm512_load_ps(kd + d * CHUNK + 32), k3 = _mm512_load_ps(kd + d * CHUNK + 48);
 #pragma GCC unroll 6
           for (int64_t i = 0; i < RB; i++) {
-            const __m512 x = _mm512_set1_ps(qr[i][d]);
+            const __m512 x = _mm512_set1_ps(q[row[i] * D + d]);
             acc[i][0] = _mm512_fmadd_ps(x, k0, acc[i][0]);
             acc[i][1] = _mm512_fmadd_ps(x, k1, acc[i][1]);
             acc[i][2] = _mm512_fmadd_ps(x, k2, acc[i][2]);
@@ -466,45 +590,69 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
 #pragma GCC unroll 6
         for (int64_t i = 0; i < RB; i++)
           for (int64_t u = 0; u < 4; u++) _mm512_store_ps(sc + i * CHUNK + g64 * 64 + u * 16, acc[i][u]);
+#endif
       }
-      // each row's softmax update over the chunk: the slots it does not see count as -inf
+      // each row's softmax update over the chunk (the slots it does not see count as -inf), and its weights: the
+      // softmax times each slot's value scale (bf16, in slot order, where the values are summed in bf16 pairs)
       alignas(64) float corr[RB];
+      const int64_t vlo = jlo / 16, vhi = (jhi + 15) / 16;  // the 16-slot vectors any row sees
       for (int64_t i = 0; i < RB; i++) {
         const int64_t r = r0 + i;
         float* x = sc + i * CHUNK;
         if (hi[i] <= lo[i]) {  // nothing seen in this chunk (or a padding row)
-          for (int64_t v = jlo / 16; v * 16 < jhi; v++) _mm512_store_ps(x + v * 16, _mm512_setzero_ps());
+          for (int64_t v = vlo; v < vhi; v++) _mm512_store_ps(x + v * 16, _mm512_setzero_ps());
           corr[i] = 1.f;
-          continue;
+        } else {
+          __m512 mx = _mm512_set1_ps(m[r]);
+          for (int64_t v = vlo; v < vhi; v++) {
+            const __mmask16 k = first(hi[i] - v * 16) & (__mmask16)~first(lo[i] - v * 16);
+            mx = _mm512_mask_max_ps(mx, k, mx, _mm512_load_ps(x + v * 16));
+          }
+          const float mnew = _mm512_reduce_max_ps(mx);
+          const __m512 mv = _mm512_set1_ps(mnew);
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t v = vlo; v < vhi; v++) {
+            const __mmask16 k = first(hi[i] - v * 16) & (__mmask16)~first(lo[i] - v * 16);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_load_ps(x + v * 16), mv)));
+            _mm512_store_ps(x + v * 16, e);
+            sum = _mm512_add_ps(sum, e);
+          }
+          // e^(m - mnew) for the sums so far (0 where nothing was seen before: m = -inf, clamped by exp16)
+          corr[i] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mnew)));
+          l[r] = l[r] * corr[i] + _mm512_reduce_add_ps(sum);
+          m[r] = mnew;
         }
-        __m512 mx = _mm512_set1_ps(m[r]);
-        for (int64_t v = jlo / 16; v * 16 < jhi; v++) {
-          const __mmask16 k = first(hi[i] - v * 16) & (__mmask16)~first(lo[i] - v * 16);
-          mx = _mm512_mask_max_ps(mx, k, mx, _mm512_load_ps(x + v * 16));
-        }
-        const float mnew = _mm512_reduce_max_ps(mx);
-        const __m512 mv = _mm512_set1_ps(mnew);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t v = jlo / 16; v * 16 < jhi; v++) {
-          const __mmask16 k = first(hi[i] - v * 16) & (__mmask16)~first(lo[i] - v * 16);
-          const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_load_ps(x + v * 16), mv)));
-          _mm512_store_ps(x + v * 16, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        // e^(m - mnew) for the sums so far (0 where nothing was seen before: m = -inf, clamped by exp16)
-        corr[i] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mnew)));
-        l[r] = l[r] * corr[i] + _mm512_reduce_add_ps(sum);
-        m[r] = mnew;
+#if I8_PV_BF16
+        uint16_t* w = reinterpret_cast<uint16_t*>(wt + i * CHUNK);
+        for (int64_t v = vlo; v < vhi; v++)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(w + v * 16),
+                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(x + v * 16),
+                                                                       _mm512_load_ps(vscl + v * 16))));
+#endif
       }
       // the RB rows' values together: each value vector loaded once, RB x NV accumulators
       __m512 acc[RB][NV];
 #pragma GCC unroll 6
       for (int64_t i = 0; i < RB; i++) {
-        const float* orow = o + (r0 + std::min(i, nr - 1)) * D;
+        const float* orow = o + row[i] * D;
         const __m512 cv = _mm512_set1_ps(corr[i]);
 #pragma GCC unroll 8
         for (int64_t c = 0; c < NV; c++) acc[i][c] = _mm512_mul_ps(_mm512_load_ps(orow + c * 16), cv);
       }
+#if I8_PV_BF16
+      const uint32_t* vp = reinterpret_cast<const uint32_t*>(vf);
+      for (int64_t pair = vlo * 8; pair < vhi * 8; pair++) {  // slots 2 pair, 2 pair + 1
+        __m512i v[NV];
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < NV; c++) v[c] = _mm512_load_si512(vp + pair * D + c * 16);
+#pragma GCC unroll 6
+        for (int64_t i = 0; i < RB; i++) {
+          const __m512i w = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(wt + i * CHUNK)[pair]);
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < NV; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)v[c], (__m512bh)w);
+        }
+      }
+#else
       for (int64_t j = jlo; j < jhi; j++) {
         __m512 v[NV];
 #pragma GCC unroll 8
@@ -516,8 +664,13 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
           for (int64_t c = 0; c < NV; c++) acc[i][c] = _mm512_fmadd_ps(w, v[c], acc[i][c]);
         }
       }
-      for (int64_t i = 0; i < nr; i++)
-        for (int64_t c = 0; c < NV; c++) _mm512_store_ps(o + (r0 + i) * D + c * 16, acc[i][c]);
+#endif
+      // (over all RB, so that the sums stay registers in the loops above)
+#pragma GCC unroll 6
+      for (int64_t i = 0; i < RB; i++)
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < NV; c++)
+          if (i < nr) _mm512_store_ps(o + (r0 + i) * D + c * 16, acc[i][c]);
     }
   }
   for (int64_t t = t0; t < t1; t++)
@@ -735,5 +888,15 @@ class Int8PagedAttention : public ov::op::Op {
 };
 
 }  // namespace
+
+// What the library's kernels for head size `head_dim` (blocks of 32) multiply with, for kvexport_intel.int8_blocks.kernels.
+extern "C" const char* kvexport_i8_kernels(int64_t head_dim) {
+#ifdef __AVX512F__
+  if (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128)
+    return "decode: AVX-512 f32; prompts: AVX-512, scores " I8_QK_NAME ", weighted values " I8_PV_NAME;
+#endif
+  (void)head_dim;
+  return "decode: portable f32; prompts: portable f32";
+}
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<Int8PagedAttention>>()}));
