@@ -10,7 +10,7 @@ from typing import Any
 from kvexport.backends import (AutoMode, Backend, BuildOptions, Capabilities, Option, Progress, parse_bool,
                                parse_option)
 from kvexport.doctor import cpu_info
-from kvexport.errors import ArtifactError, InputError, KvexportError
+from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, KvexportError
 from kvexport.manifest import Manifest
 from kvexport.runtime.ring import RingSpec
 from kvexport_intel import compress, isa, numa
@@ -18,7 +18,8 @@ from kvexport_intel.session import KV_ITEM_BYTES, LOSSLESS_KV, IntelSession
 
 ENGINE_DIR = "engine"
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16"}
-# i8: kvexport's own int8 blocks under its own paged-attention op (kvexport_intel.int8_blocks); --kv int8 is u8
+# i8: kvexport's own int8 blocks under its own paged-attention op (kvexport_intel.int8_blocks); --kv int8 is i8 or
+# u8 by the CPU (int8_blocks.int8_format) where --option kv_precision does not say which
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8", "i8")
 KV_MODES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "u8"}  # --kv -> OpenVINO's KV_CACHE_PRECISION
 # --weights: fp32/bf16 are OpenVINO's INFERENCE_PRECISION_HINT over f32 weights; int8/int4 are NNCF-compressed
@@ -30,8 +31,9 @@ OPTIONS = (
     Option("engine", "str", "openvino", "the engine to build (IPEX is end-of-life)", choices=("openvino", "ipex")),
     Option("kv_precision", "str", None, "the cache's precision in OpenVINO's words (f32, f16, bf16, u8), or i8: "
            "kvexport's own int8 blocks, one f32 scale per token and head (0.266x f32 at head_dim 64, u8 0.281x), "
-           "for paged requests; at build another name for --kv (u8 and i8 are --kv int8), at load another "
-           "precision than built", choices=KV_PRECISIONS, phase="load"),
+           "for paged requests; at build another name for --kv (u8 and i8 are --kv int8, which alone holds i8 on "
+           "AVX-512 CPUs without AMX where a C++ compiler is on PATH, else u8), at load another precision than "
+           "built", choices=KV_PRECISIONS, phase="load"),
     Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
            phase="load"),
     Option("batch_rows", "str", "paged", "how the serving scheduler batches requests: paged (OpenVINO paged "
@@ -136,7 +138,7 @@ class IntelBackend(Backend):
         compress.check_quantizer(weights or isa.auto_precision(flags), extra["quantizer"])
         if weights in compress.BLOCK_MODES:
             compress.require_nncf()
-        kv = _build_kv(options)
+        kv, _ = _build_kv(options, flags)
         if kv == "bf16" and _activations(weights or isa.auto_precision(flags), flags) != "bf16":
             raise InputError(f"--kv bf16 goes with bf16 activations, and this build runs f32 ("
                              + ("this CPU has neither AMX-BF16 nor AVX512-BF16" if not isa.has_bf16(flags)
@@ -160,7 +162,7 @@ class IntelBackend(Backend):
         if isa.has_bf16(flags):
             modes.append(AutoMode("bf16", "fp32", isa.why_precision(flags)))
         modes.append(AutoMode("fp32", "fp32", "fp32: exact"))
-        return modes + [AutoMode(m.weights, "int8", m.reason + "; the cache in u8", m.group_size) for m in modes]
+        return modes + [AutoMode(m.weights, "int8", m.reason + "; the cache in int8", m.group_size) for m in modes]
 
     # --- build ------------------------------------------------------------------------------
     def build(self, folder: Path, manifest: Manifest, options: BuildOptions, progress: Progress) -> None:
@@ -177,7 +179,7 @@ class IntelBackend(Backend):
         precision = _activations(weights, flags)
         plan = compress.plan(weights, options.group_size, extra["int4_sym"], extra["quantizer"]) \
             if weights in compress.BLOCK_MODES else None
-        kv = _build_kv(options)
+        kv, kv_why = _build_kv(options, flags)
         numa_node = _numa_node(extra.get("numa_node"))
         if numa_node is not None:
             numa.read_topology().node(numa_node)  # fail now, not at first load, for a node that does not exist
@@ -234,6 +236,8 @@ class IntelBackend(Backend):
                                                   else " (pass --precision fp32 for exact f32 numerics)"))
         if held != kv:
             progress(f"intel: the cache holds bf16: {BF16_HELD}")
+        if kv_why is not None:
+            progress(f"intel: --kv int8 holds {kv}: {kv_why}")
         if kv not in LOSSLESS_KV:
             progress(f"intel: what the {kv} cache costs against an f32 one is measured by verify (it compiles the "
                      "engine twice at f32, which a build beside the decoder's weights would not fit in twice their bytes)")
@@ -273,6 +277,12 @@ class IntelBackend(Backend):
                                             "token and KV head (kvexport_intel.int8_blocks)",
                                             "bytes_per_token": cfg.num_hidden_layers * slot_bytes(cfg.num_key_value_heads,
                                                                                                   cfg.head_dim)}
+        elif held == "u8":
+            manifest.raw["target"]["kv"] = {"dtype": "int8", "format": "u8: OpenVINO's, an f32 scale and zero point "
+                                            "per token and KV head",
+                                            "bytes_per_token": self.kv_bytes_per_token(manifest, "int8")}
+        if kv_why is not None:
+            manifest.raw["target"]["kv"]["why"] = f"--kv int8 holds {kv}: {kv_why}"
 
     # --- load -------------------------------------------------------------------------------
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None,
@@ -305,6 +315,16 @@ class IntelBackend(Backend):
             warnings.warn(warning, IntelBackendWarning, stacklevel=3)
         ring = RingSpec.of(manifest)
         kv = held_kv(precision, _kv_precision(options.get("kv_precision", built.get("kv_precision", "f32"))), ring)
+        if kv == "i8" and "kv_precision" not in options:  # built i8, and no compiler here: u8, saying so
+            from kvexport_intel.int8_blocks import library
+
+            try:
+                library()
+            except BackendUnavailableError as e:
+                kv = "u8"
+                said = f"this artifact's cache is kvexport's i8, whose op cannot be compiled here, so it holds u8: {e}"
+                warnings.warn(said, IntelBackendWarning, stacklevel=3)
+                warning = f"{warning}; {said}" if warning else said
 
         placement = place(options.get("numa_node", built.get("numa_node")),
                           parse_bool("numa_bind", options.get("numa_bind", built.get("numa_bind", True))))
@@ -407,10 +427,18 @@ def _activations(weights: str, flags: set[str]) -> str:
     return weights if weights in OV_PRECISION else isa.auto_precision(flags)
 
 
-def _build_kv(options: BuildOptions) -> str:
-    """The cache precision a build asks for, in OpenVINO's words: core hands --kv (or --option kv_precision, its
-    alias) in options.kv; a direct caller of build may still pass kv_precision in options.extra."""
-    return _kv_precision(options.extra.get("kv_precision") or KV_MODES[options.kv or "fp32"])
+def _build_kv(options: BuildOptions, flags: set[str]) -> tuple[str, str | None]:
+    """The cache precision a build holds, in OpenVINO's words (or i8), and why where the build chose it: core hands
+    --kv in options.kv and keeps --option kv_precision (its alias, which names the int8 format) in options.extra.
+    --kv int8 alone is i8 or u8 as kvexport_intel.int8_blocks.int8_format picks for this CPU."""
+    named = options.extra.get("kv_precision")
+    if named:
+        return _kv_precision(named), None
+    if (options.kv or "fp32") == "int8":
+        from kvexport_intel.int8_blocks import int8_format
+
+        return int8_format(flags)
+    return _kv_precision(KV_MODES[options.kv or "fp32"]), None
 
 
 def _weights_mode(options: BuildOptions) -> str | None:

@@ -232,6 +232,64 @@ def test_a_build_may_choose_i8_and_records_its_bytes(intel_artifacts: dict, tmp_
     assert s.cache_bytes(b.state) == 40 * per_token
     assert s.facts["paged_attention"].startswith("kvexport's Int8PagedAttention")
     s.release(b.state)
+    assert "why" not in target["kv"]  # named, not chosen
+
+
+def test_an_i8_artifact_holds_u8_where_its_op_cannot_be_compiled(intel_artifacts: dict, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loaded where no compiler is (and no compiled op in the cache), an i8 artifact holds OpenVINO's u8 and says
+    so; asked for i8 by name there, the load is refused with what to do."""
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+    from kvexport_intel import IntelBackendWarning
+
+    art = build(intel_artifacts["llama"][0], tmp_path / "i8.kvx", target="intel", max_seq=64, verify=False,
+                options=BuildOptions(kv="int8", extra={"kv_precision": "i8"}))
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.warns(IntelBackendWarning, match="cannot be compiled here, so it holds u8"):
+        engine = kvexport.load(str(art), precision="fp32")
+    assert engine.session.facts["kv_precision"] == "u8" and "holds u8" in engine.session.facts["warning"]
+    assert engine.generate([5, 9, 23], max_new_tokens=3).token_ids
+    with pytest.raises(BackendUnavailableError, match="kv_precision=u8"):
+        kvexport.load(str(art), precision="fp32", kv_precision="i8").prefill([5, 9, 23], 2)
+
+
+@pytest.mark.parametrize("flags, held, why", [
+    ({"avx2"}, "u8", "no AVX-512"),
+    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "u8", "AMX"),
+])
+def test_kv_int8_alone_takes_u8_where_i8_does_not_pay(flags: set, held: str, why: str) -> None:
+    fmt, reason = int8_blocks.int8_format(flags)
+    assert fmt == held and why in reason and "kv_precision=i8" in reason
+
+
+def test_kv_int8_alone_takes_u8_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    fmt, reason = int8_blocks.int8_format({"avx2", "avx512f"})
+    assert fmt == "u8" and "cannot be compiled here" in reason
+
+
+def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict, tmp_path: Path) -> None:
+    """`--kv int8` without kv_precision: i8 on an AVX-512 CPU without AMX (where the op compiles), else u8; the
+    build prints the pick and its reason and the manifest records format, bytes a token and reason."""
+    from kvexport.backends import BuildOptions
+    from kvexport.build import build
+    from kvexport.doctor import read_cpu_flags
+
+    flags = read_cpu_flags()
+    expected = "i8" if "avx512f" in flags and not {"amx_bf16", "amx_int8"} & flags else "u8"
+    said: list[str] = []
+    art = build(intel_artifacts["llama"][0], tmp_path / "kv8.kvx", target="intel", max_seq=64, verify=False,
+                options=BuildOptions(kv="int8"), progress=said.append)
+    engine = kvexport.load(str(art), precision="fp32")
+    kv, s = engine.manifest.target["kv"], engine.session
+    slot = s.head_dim + 4 if expected == "i8" else s.head_dim + 8
+    assert kv["dtype"] == "int8" and kv["format"].startswith(expected + ":")
+    assert kv["bytes_per_token"] == s.num_layers * 2 * s.kv_heads * slot
+    assert kv["why"].startswith(f"--kv int8 holds {expected}: ") and any(kv["why"] in m for m in said), said
+    assert engine.manifest.target["options"]["kv_precision"] == expected == s.facts["kv_precision"]
 
 
 @pytest.mark.parametrize("variant", list(int8_blocks.VARIANTS))
