@@ -123,12 +123,12 @@ def test_a_paged_model_openvino_cannot_compile_falls_back_with_the_reason(intel_
         "one InferRequest per row: OpenVINO could not compile the paged model: Wrong value u1")
 
 
-@pytest.mark.parametrize("kv, dtype", [("u8", np.uint8), ("f16", np.float16)])
+@pytest.mark.parametrize("kv, dtype", [("u8", np.uint8), ("f16", np.float16), ("i8", np.int8)])
 def test_lossy_cache_rows_are_paged_each_as_alone(intel_artifacts: dict, kv: str, dtype: type) -> None:
-    """A u8 or f16 cache's rows run through paged attention too, its blocks in the cache's type (u8 quantized by
-    paged attention's own scheme, which `kvexport verify` judges through the long-prompt path): staggered rows get
-    what each prompt gets in a row of its own on the same blocks, and stay within the cache's row of the stateful
-    engine with the same cache in greedy tokens while they agree (random weights: near-ties part the greedy paths;
+    """A u8, f16 or i8 cache's rows run through paged attention too, its blocks in the cache's type (u8 quantized by
+    paged attention's own scheme, i8 by kvexport's op, which `kvexport verify` judges through the long-prompt path):
+    staggered rows get what each prompt gets in a row of its own on the same blocks, and stay within the cache's row
+    of the stateful engine with the same cache (i8's: u8) in greedy tokens while they agree (random weights: near-ties part the greedy paths;
     the cache's quality is judged on the trained default model)."""
     _, art = intel_artifacts["llama"]
     engine = kvexport.load(str(art), precision="fp32", kv_precision=kv)
