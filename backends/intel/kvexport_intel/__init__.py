@@ -375,10 +375,14 @@ class IntelBackend(Backend):
                             head_dim=cfg.head_dim, facts=facts, ring=ring)
 
     def doctor(self) -> dict[str, Any]:
+        from kvexport_intel.int8_blocks import int8_format
+
         flags = isa.read_cpu_flags()
         topo = numa.read_topology()
+        kv_int8, why = int8_format(flags, compile=False)
         return {"openvino": _openvino_version(), "amx": "present" if isa.has_amx(flags) else "absent",
                 "isa": isa.isa_report(flags), "would_pick_precision": isa.why_precision(flags),
+                "kv_int8": f"{kv_int8}: {why}",  # the format --kv int8 would hold here
                 "numa_nodes": {n.id: list(n.cpus) for n in topo.nodes},
                 "offline_cpus": list(topo.offline)}
 

@@ -88,10 +88,11 @@ def library() -> Path:
     return lib
 
 
-def int8_format(flags: set[str]) -> tuple[str, str]:
+def int8_format(flags: set[str], compile: bool = True) -> tuple[str, str]:
     """The format `--kv int8` takes where the build names none (--option kv_precision=u8 or i8), and why: `i8` where
     this CPU runs the op's AVX-512 kernels, has no AMX for OpenVINO's own kernel to compute prompts on, and the op
-    compiles here (this compiles it, once); else OpenVINO's `u8`."""
+    compiles here (this compiles it, once; compile=False, as `kvexport doctor` asks, only looks for the compiler);
+    else OpenVINO's `u8`."""
     other = "; --option kv_precision=i8 asks for kvexport's i8 cache regardless"
     if "avx512f" not in flags:
         return "u8", ("this CPU has no AVX-512, which the i8 cache's kernels are written for (its portable loops "
@@ -99,8 +100,12 @@ def int8_format(flags: set[str]) -> tuple[str, str]:
     if "amx_bf16" in flags or "amx_int8" in flags:
         return "u8", ("OpenVINO's u8 kernel computes prompts on this CPU's AMX tiles, which the i8 cache's kernels do "
                       "not use (not measured against each other on an AMX CPU)" + other)
+    cxx = os.environ.get("CXX") or "c++"
+    if not compile and shutil.which(cxx) is None:
+        return "u8", f"the i8 cache's op is compiled with a C++ compiler and {cxx!r} is not on PATH"
     try:
-        library()
+        if compile:
+            library()
     except BackendUnavailableError as e:
         return "u8", f"the i8 cache's op cannot be compiled here: {e}"
     return "i8", ("kvexport's int8 blocks: one f32 scale per token and KV head (0.266x an f32 cache at head_dim 64; "

@@ -56,6 +56,11 @@ def test_doctor_shows_amx_numa_and_the_precision_it_would_pick() -> None:
     assert intel["amx"] in ("present", "absent")
     assert intel["numa_nodes"] and all(isinstance(c, list) for c in intel["numa_nodes"].values())
     assert intel["would_pick_precision"].split(":")[0] in ("fp32", "bf16")
+    from kvexport.doctor import read_cpu_flags
+
+    flags = read_cpu_flags()  # the format --kv int8 holds on this CPU, and why (the compiler looked for, not run)
+    pays = "avx512f" in flags and not {"amx_bf16", "amx_int8"} & flags
+    assert intel["kv_int8"].startswith(f"{'i8' if pays else 'u8'}: "), intel["kv_int8"]
 
 
 @pytest.mark.parametrize(("extra", "match"), [
