@@ -431,6 +431,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     print(f"  KV cache: {kv_mode}, {per_slot} bytes per token per row"
           + (f" (+ {fixed} bytes of per-channel scales, once per engine)" if fixed else "")
           + f"; {per_slot * cache['max_seq'] / 2**20:.1f} MiB per row at max_seq")
+    for key in ("format", "why"):  # a backend's own record of which cache it holds, and why it chose it
+        if ((target or {}).get("kv") or {}).get(key):
+            print(f"    {key}: {target['kv'][key]}")
     from kvexport.runtime.ring import RingSpec, cache_bytes
 
     ring = RingSpec.of(m)  # the IR's rings, or the engine's own (intel's state)

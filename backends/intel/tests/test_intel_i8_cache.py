@@ -273,7 +273,8 @@ def test_kv_int8_alone_takes_u8_without_a_compiler(tmp_path: Path, monkeypatch: 
 
 def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict, tmp_path: Path) -> None:
     """`--kv int8` without kv_precision: i8 on an AVX-512 CPU without AMX (where the op compiles), else u8; the
-    build prints the pick and its reason and the manifest records format, bytes a token and reason."""
+    build prints the pick and its reason, the manifest records format, bytes a token and reason, and `kvexport
+    inspect` shows them."""
     from kvexport.backends import BuildOptions
     from kvexport.build import build
     from kvexport.doctor import read_cpu_flags
@@ -290,6 +291,10 @@ def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict
     assert kv["bytes_per_token"] == s.num_layers * 2 * s.kv_heads * slot
     assert kv["why"].startswith(f"--kv int8 holds {expected}: ") and any(kv["why"] in m for m in said), said
     assert engine.manifest.target["options"]["kv_precision"] == expected == s.facts["kv_precision"]
+    shown = subprocess.run([sys.executable, "-m", "kvexport", "inspect", str(art)], capture_output=True, text=True,
+                           timeout=120)
+    assert f"KV cache: int8, {kv['bytes_per_token']} bytes per token per row" in shown.stdout, shown.stderr
+    assert f"    format: {kv['format']}\n    why: {kv['why']}\n" in shown.stdout
 
 
 @pytest.mark.parametrize("variant", list(int8_blocks.VARIANTS))
