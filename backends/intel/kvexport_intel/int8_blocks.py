@@ -46,9 +46,11 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "
          "-shared", "-fPIC", "-DNDEBUG")
 # builds of the op a process may ask for through its environment, so that the kernels other CPUs run are tested on
 # this one: KVEXPORT_I8_PORTABLE=1 without AVX-512 (the loops an AVX2 Zen 3 runs), KVEXPORT_I8_F32_PROMPTS=1 with
-# AVX-512 prompt kernels in f32 only (what an AVX-512 CPU without VNNI and AVX512-BF16 runs). One a process: two builds
-# of the op cannot be loaded in one process (they register the same op).
-VARIANTS = {"KVEXPORT_I8_PORTABLE": ("-mno-avx512f",), "KVEXPORT_I8_F32_PROMPTS": ("-DKVEXPORT_I8_F32_PROMPTS",)}
+# AVX-512 prompt kernels in f32 only (an AVX-512 CPU without VNNI and AVX512-BF16: Skylake), KVEXPORT_I8_NO_BF16=1
+# without AVX512-BF16 (VNNI scores, f32 weighted values: Cascade Lake, Ice Lake). One a process: two builds of the op
+# cannot be loaded in one process (they register the same op).
+VARIANTS = {"KVEXPORT_I8_PORTABLE": ("-mno-avx512f",), "KVEXPORT_I8_F32_PROMPTS": ("-DKVEXPORT_I8_F32_PROMPTS",),
+            "KVEXPORT_I8_NO_BF16": ("-mno-avx512bf16",)}
 
 
 def library() -> Path:
