@@ -155,7 +155,7 @@ class IntelBackend(Backend):
 
     def auto_modes(self, flags: set[str]) -> list[AutoMode]:
         """Fewest weight bytes first (decode reads every weight once per token); bf16 only where the CPU
-        computes it; the cache in f32 first (a u8 cache pays off at long contexts, so only when asked)."""
+        computes it; the cache in f32 first (an int8 cache pays off at long contexts, so only when asked)."""
         g = compress.DEFAULT_GROUP_SIZE["int4"]
         modes = [AutoMode("int4", "fp32", f"int4 weights (NNCF INT4_ASYM, group {g}): the fewest bytes a token", g),
                  AutoMode("int8", "fp32", "int8 weights (NNCF INT8_ASYM per channel): a quarter of fp32's bytes")]
