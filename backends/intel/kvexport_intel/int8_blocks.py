@@ -45,12 +45,13 @@ PA_INPUTS, QUERY = 11, 0
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
          "-shared", "-fPIC", "-DNDEBUG")
 # builds of the op a process may ask for through its environment, so that the kernels other CPUs run are tested on
-# this one: KVEXPORT_I8_PORTABLE=1 without AVX-512 (the loops an AVX2 Zen 3 runs), KVEXPORT_I8_F32_PROMPTS=1 with
-# AVX-512 prompt kernels in f32 only (an AVX-512 CPU without VNNI and AVX512-BF16: Skylake), KVEXPORT_I8_NO_BF16=1
-# without AVX512-BF16 (VNNI scores, f32 weighted values: Cascade Lake, Ice Lake). One a process: two builds of the op
-# cannot be loaded in one process (they register the same op).
-VARIANTS = {"KVEXPORT_I8_PORTABLE": ("-mno-avx512f",), "KVEXPORT_I8_F32_PROMPTS": ("-DKVEXPORT_I8_F32_PROMPTS",),
-            "KVEXPORT_I8_NO_BF16": ("-mno-avx512bf16",)}
+# this one: KVEXPORT_I8_AVX2=1 without AVX-512 (an AVX2 Zen 3's: AVX2 prompt kernels, portable decode loops),
+# KVEXPORT_I8_PORTABLE=1 without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS=1 with AVX-512 prompt kernels
+# in f32 only (an AVX-512 CPU without VNNI and AVX512-BF16: Skylake), KVEXPORT_I8_NO_BF16=1 without AVX512-BF16 (VNNI
+# scores, f32 weighted values: Cascade Lake, Ice Lake). One a process: two builds of the op cannot be loaded in one
+# process (they register the same op).
+VARIANTS = {"KVEXPORT_I8_AVX2": ("-mno-avx512f",), "KVEXPORT_I8_PORTABLE": ("-mno-avx2",),
+            "KVEXPORT_I8_F32_PROMPTS": ("-DKVEXPORT_I8_F32_PROMPTS",), "KVEXPORT_I8_NO_BF16": ("-mno-avx512bf16",)}
 
 
 def library() -> Path:
@@ -97,8 +98,9 @@ def int8_format(flags: set[str], compile: bool = True) -> tuple[str, str]:
     else OpenVINO's `u8`."""
     other = "; --option kv_precision=i8 asks for kvexport's i8 cache regardless"
     if "avx512f" not in flags:
-        return "u8", ("this CPU has no AVX-512, which the i8 cache's kernels are written for (its portable loops "
-                      "prefill about 4x slower than AVX-512 on the same CPU)" + other)
+        return "u8", ("this CPU has no AVX-512, which the i8 cache's decode kernels are written for (with AVX2 its "
+                      "prompts run AVX2 kernels and its decode steps portable loops; not measured on an AVX2 CPU)"
+                      + other)
     if "amx_bf16" in flags or "amx_int8" in flags:
         return "u8", ("OpenVINO's u8 kernel computes prompts on this CPU's AMX tiles, which the i8 cache's kernels do "
                       "not use (not measured against each other on an AMX CPU)" + other)

@@ -300,18 +300,17 @@ def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict
 @pytest.mark.parametrize("variant", list(int8_blocks.VARIANTS))
 def test_other_builds_attend_as_this_one_does(variant: str) -> None:
     """The op tests above again, in a process whose op is compiled as another CPU's is (two builds of the op cannot
-    share a process): KVEXPORT_I8_PORTABLE without AVX-512 (the loops an AVX2 Zen 3 runs), KVEXPORT_I8_F32_PROMPTS
-    with AVX-512 prompt kernels in f32 (an AVX-512 CPU without VNNI and AVX512-BF16), KVEXPORT_I8_NO_BF16 with VNNI
-    scores and f32 weighted values (an AVX-512 CPU with VNNI and without AVX512-BF16)."""
+    share a process): KVEXPORT_I8_AVX2 without AVX-512 (an AVX2 Zen 3's: AVX2 prompt kernels, portable decode loops),
+    KVEXPORT_I8_PORTABLE without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS with AVX-512 prompt kernels
+    in f32 (an AVX-512 CPU without VNNI and AVX512-BF16), KVEXPORT_I8_NO_BF16 with VNNI scores and f32 weighted values
+    (an AVX-512 CPU with VNNI and without AVX512-BF16)."""
     if any(os.environ.get(name) == "1" for name in int8_blocks.VARIANTS):
         pytest.skip("this process already runs another build of the op")
     from kvexport.doctor import read_cpu_flags
 
-    flags = read_cpu_flags()
-    if variant == "KVEXPORT_I8_F32_PROMPTS" and "avx512f" not in flags:
-        pytest.skip("no AVX-512 on this CPU: its op has no AVX-512 prompt kernels (the portable loops are tested)")
-    if variant == "KVEXPORT_I8_NO_BF16" and "avx512_vnni" not in flags:
-        pytest.skip("no AVX512-VNNI on this CPU: its op has no VNNI prompt scores to test without AVX512-BF16")
+    needs = {"KVEXPORT_I8_AVX2": "avx2", "KVEXPORT_I8_F32_PROMPTS": "avx512f", "KVEXPORT_I8_NO_BF16": "avx512_vnni"}
+    if variant in needs and needs[variant] not in read_cpu_flags():
+        pytest.skip(f"this CPU has no {needs[variant]}: its op has no kernels of that build to test")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "op_"],
                           env={**os.environ, variant: "1"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, \

@@ -293,91 +293,6 @@ inline void transpose16(__m512* r) {
 }
 inline __m512 widen(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 
-// attend_run with 16 rows' scores summed together (sum16) and one softmax over the run; NV = D / 16.
-template <int64_t NV>
-void attend_run_avx512(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
-                       int64_t s, int64_t h, int64_t lo, int64_t hi, float* m, float* l, float* o) {
-  constexpr int64_t D = NV * 16;
-  const int64_t BS = sh.BS, n = hi - lo;
-  alignas(64) float sc[MAX_GROUP][RUN + 16];
-  alignas(64) float wide[16 * D];
-  // scores, a block's piece at a time, 16 rows at a time
-  for (int64_t start = lo; start < hi;) {
-    const int64_t slot0 = start % BS, cnt = std::min(BS - slot0, hi - start), at = start - lo;
-    const int32_t block = seqs.block(s, start, BS);
-    int8_t* kb = rows_of(kc, sh, block, h);
-    const int8_t* krows = kb + slot0 * D;
-    const float* ks = scales_of(kb, sh) + slot0;
-    // the blocks are scattered: ask for the next block's keys and this block's values while these keys are summed,
-    // so that the memory has several requests in flight (the loads, not the arithmetic, had bounded this loop)
-    const int8_t* next = start + cnt < hi ? rows_of(kc, sh, seqs.block(s, start + cnt, BS), h) : nullptr;
-    const int8_t* vb = rows_of(vc, sh, block, h);
-    for (int64_t r0 = 0; r0 < cnt; r0 += 16) {
-      const int64_t rows = std::min<int64_t>(16, cnt - r0);
-      for (int64_t line = 0; line < 16 * D; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(vb + (slot0 + r0) * D + line), _MM_HINT_T0);
-        if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + r0 * D + line), _MM_HINT_T0);
-      }
-      for (int64_t r = 0; r < 16; r++)
-        for (int64_t c = 0; c < NV; c++)
-          _mm512_store_ps(wide + r * D + c * 16, r < rows ? widen(krows + (r0 + r) * D + c * 16) : _mm512_setzero_ps());
-      const __m512 kscale = _mm512_maskz_loadu_ps(first(rows), ks + r0);
-      for (int64_t g = 0; g < G; g++) {
-        __m512 acc[16];
-        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < NV; c++) {
-          const __m512 qv = _mm512_loadu_ps(q + g * D + c * 16);
-          for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(wide + r * D + c * 16), qv, acc[r]);
-        }
-        _mm512_storeu_ps(sc[g] + at + r0, _mm512_mul_ps(sum16(acc), kscale));
-      }
-    }
-    start += cnt;
-  }
-  // softmax over the run, unnormalized: its max and its sum go to the merge
-  for (int64_t g = 0; g < G; g++) {
-    float* x = sc[g];
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; j += 16) mx = _mm512_mask_max_ps(mx, first(n - j), mx, _mm512_loadu_ps(x + j));
-    const float mg = _mm512_reduce_max_ps(mx);
-    const __m512 mv = _mm512_set1_ps(mg);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(first(n - j), exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv)));
-      _mm512_storeu_ps(x + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    m[g] = mg;
-    l[g] = _mm512_reduce_add_ps(sum);
-  }
-  // weighted values: each row widened once for every head of the group
-  constexpr int64_t REG_G = NV <= 4 ? 6 : 3;  // heads whose sums stay in registers (NV x REG_G accumulators)
-  for (int64_t g0 = 0; g0 < G; g0 += REG_G) {
-    const int64_t gs = std::min(REG_G, G - g0);
-    __m512 acc[REG_G][NV];
-    for (int64_t g = 0; g < REG_G; g++)
-      for (int64_t c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t start = lo; start < hi;) {
-      const int64_t slot0 = start % BS, cnt = std::min(BS - slot0, hi - start), at = start - lo;
-      int8_t* vb = rows_of(vc, sh, seqs.block(s, start, BS), h);
-      const int8_t* vrows = vb + slot0 * D;
-      const float* vs = scales_of(vb, sh) + slot0;
-      for (int64_t j = 0; j < cnt; j++) {
-        __m512 v[NV];
-        for (int64_t c = 0; c < NV; c++) v[c] = widen(vrows + j * D + c * 16);
-        for (int64_t g = 0; g < REG_G; g++) {
-          if (g >= gs) break;
-          const __m512 w = _mm512_set1_ps(sc[g0 + g][at + j] * vs[j]);
-          for (int64_t c = 0; c < NV; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
-        }
-      }
-      start += cnt;
-    }
-    for (int64_t g = 0; g < gs; g++)
-      for (int64_t c = 0; c < NV; c++) _mm512_storeu_ps(o + (g0 + g) * D + c * 16, acc[g][c]);
-  }
-}
-
 // How the prompt kernel multiplies, where -march=native has the instructions (kernels() names the choice):
 // - the scores of VNNI: each query row quantized to int8 (symmetric, one f32 scale a row, as the keys are stored) and
 //   offset by 128 to u8, four u8 x s8 products a 32-bit lane a vpdpbusd (64 a vector: four times a vector FMA's),
@@ -434,15 +349,188 @@ inline void scores_vnni(const uint8_t* qu, const int64_t* row, const int32_t* kd
 }
 #endif
 
+// The vector operations the prompt kernel takes, W lanes of f32 at a time: AVX-512 (V16, 32 registers) or AVX2 (V8,
+// 16 registers), whichever the file is compiled with; RB(D): the query rows a block holds in registers, CS(NV): the
+// vectors of a row's values summed at a time.
+struct V16 {
+  using F = __m512;
+  using M = __mmask16;
+  static constexpr int64_t W = 16;
+  static constexpr int64_t RB(int64_t D) { return D <= 64 ? 5 : 3; }  // RB x D/16 value sums and RB x 4 score sums
+  static constexpr int64_t CS(int64_t NV) { return NV; }
+  static F load(const float* p) { return _mm512_load_ps(p); }
+  static F loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_store_ps(p, x); }
+  static void storeu(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F widen(const int8_t* p) { return ::widen(p); }
+  static M lanes(int64_t lo, int64_t hi) { return first(hi) & (M)~first(lo); }  // lanes lo <= i < hi
+  static F mask_max(F acc, M m, F x) { return _mm512_mask_max_ps(acc, m, acc, x); }
+  static F maskz(M m, F x) { return _mm512_maskz_mov_ps(m, x); }
+  static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
+  static float reduce_add(F x) { return _mm512_reduce_add_ps(x); }
+  static float lane0(F x) { return _mm512_cvtss_f32(x); }
+  static F exp(F x) { return exp16(x); }
+  static void transpose(F* r) { transpose16(r); }
+  static F load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }  // 0 past n
+  static F sum_rows(const F* v) { return sum16(v); }  // W vectors -> one vector of their W sums
+};
+#define I8_SIMD_TILES "AVX-512"  // (the decode kernel too)
+using Vec = V16;
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// ---------------------------------------------------------------- AVX2 (compiled where -march=native has it)
+struct V8 {
+  using F = __m256;
+  using M = __m256;  // all ones in the lanes taken
+  static constexpr int64_t W = 8;
+  // 16 registers: two rows' 4 score sums and 4 key vectors; their values 4 vectors (32 values) at a time
+  static constexpr int64_t RB(int64_t) { return 2; }
+  static constexpr int64_t CS(int64_t NV) { return NV < 4 ? NV : 4; }
+  static F load(const float* p) { return _mm256_load_ps(p); }
+  static F loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_store_ps(p, x); }
+  static void storeu(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F widen(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static M lanes(int64_t lo, int64_t hi) {
+    const __m256i i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i a = _mm256_set1_epi32((int32_t)std::max<int64_t>(-1, std::min<int64_t>(lo, 8)) - 1);
+    const __m256i b = _mm256_set1_epi32((int32_t)std::max<int64_t>(0, std::min<int64_t>(hi, 8)));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(i, a), _mm256_cmpgt_epi32(b, i)));
+  }
+  static F mask_max(F acc, M m, F x) { return _mm256_blendv_ps(acc, _mm256_max_ps(acc, x), m); }
+  static F maskz(M m, F x) { return _mm256_and_ps(m, x); }
+  static float reduce_max(F x) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+  }
+  static float reduce_add(F x) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+  }
+  static float lane0(F x) { return _mm256_cvtss_f32(x); }
+  static F exp(F x) { return exp8(x); }
+  static void transpose(F* r) { transpose8(r); }
+  static F load_first(const float* p, int64_t n) { return _mm256_maskload_ps(p, _mm256_castps_si256(lanes(0, n))); }
+  static F sum_rows(const F* v) { return sum8(v); }
+};
+#define I8_SIMD_TILES "AVX2"
+using Vec = V8;
+#endif
+
+#ifdef I8_SIMD_TILES
+// attend_run with W rows' scores summed together (V::sum_rows) and one softmax over the run; NV = D / V::W.
+template <class V, int64_t NV>
+void attend_run_simd(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs, int64_t s,
+                     int64_t h, int64_t lo, int64_t hi, float* m, float* l, float* o) {
+  using F = typename V::F;
+  constexpr int64_t W = V::W, D = NV * W, CS = V::CS(NV);
+  const int64_t BS = sh.BS, n = hi - lo;
+  alignas(64) float sc[MAX_GROUP][RUN + 16];
+  alignas(64) float wide[W * D];
+  // scores, a block's piece at a time, W rows at a time
+  for (int64_t start = lo; start < hi;) {
+    const int64_t slot0 = start % BS, cnt = std::min(BS - slot0, hi - start), at = start - lo;
+    const int32_t block = seqs.block(s, start, BS);
+    int8_t* kb = rows_of(kc, sh, block, h);
+    const int8_t* krows = kb + slot0 * D;
+    const float* ks = scales_of(kb, sh) + slot0;
+    // the blocks are scattered: ask for the next block's keys and this block's values while these keys are summed,
+    // so that the memory has several requests in flight (the loads, not the arithmetic, had bounded this loop)
+    const int8_t* next = start + cnt < hi ? rows_of(kc, sh, seqs.block(s, start + cnt, BS), h) : nullptr;
+    const int8_t* vb = rows_of(vc, sh, block, h);
+    for (int64_t r0 = 0; r0 < cnt; r0 += W) {
+      const int64_t rows = std::min<int64_t>(W, cnt - r0);
+      for (int64_t line = 0; line < W * D; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(vb + (slot0 + r0) * D + line), _MM_HINT_T0);
+        if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + r0 * D + line), _MM_HINT_T0);
+      }
+      for (int64_t r = 0; r < W; r++)
+        for (int64_t c = 0; c < NV; c++)
+          V::store(wide + r * D + c * W, r < rows ? V::widen(krows + (r0 + r) * D + c * W) : V::zero());
+      const F kscale = V::load_first(ks + r0, rows);
+      for (int64_t g = 0; g < G; g++) {
+        F acc[W];
+        for (int r = 0; r < W; r++) acc[r] = V::zero();
+        for (int64_t c = 0; c < NV; c++) {
+          const F qv = V::loadu(q + g * D + c * W);
+          for (int r = 0; r < W; r++) acc[r] = V::fmadd(V::load(wide + r * D + c * W), qv, acc[r]);
+        }
+        V::storeu(sc[g] + at + r0, V::mul(V::sum_rows(acc), kscale));
+      }
+    }
+    start += cnt;
+  }
+  // softmax over the run, unnormalized: its max and its sum go to the merge
+  for (int64_t g = 0; g < G; g++) {
+    float* x = sc[g];
+    F mx = V::set1(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; j += W) mx = V::mask_max(mx, V::lanes(0, n - j), V::loadu(x + j));
+    const float mg = V::reduce_max(mx);
+    const F mv = V::set1(mg);
+    F sum = V::zero();
+    for (int64_t j = 0; j < n; j += W) {
+      const F e = V::maskz(V::lanes(0, n - j), V::exp(V::sub(V::loadu(x + j), mv)));
+      V::storeu(x + j, e);
+      sum = V::add(sum, e);
+    }
+    m[g] = mg;
+    l[g] = V::reduce_add(sum);
+  }
+  // weighted values: each row widened once for REG_G heads of the group, CS vectors of it at a time
+  constexpr int64_t REG_G = V::W == 16 ? (NV <= 4 ? 6 : 3) : 2;  // heads whose sums stay in registers (REG_G x CS)
+  for (int64_t c0 = 0; c0 < NV; c0 += CS)
+    for (int64_t g0 = 0; g0 < G; g0 += REG_G) {
+      const int64_t gs = std::min(REG_G, G - g0);
+      F acc[REG_G][CS];
+      for (int64_t g = 0; g < REG_G; g++)
+        for (int64_t c = 0; c < CS; c++) acc[g][c] = V::zero();
+      for (int64_t start = lo; start < hi;) {
+        const int64_t slot0 = start % BS, cnt = std::min(BS - slot0, hi - start), at = start - lo;
+        int8_t* vb = rows_of(vc, sh, seqs.block(s, start, BS), h);
+        const int8_t* vrows = vb + slot0 * D + c0 * W;
+        const float* vs = scales_of(vb, sh) + slot0;
+        for (int64_t j = 0; j < cnt; j++) {
+          F v[CS];
+          for (int64_t c = 0; c < CS; c++) v[c] = V::widen(vrows + j * D + c * W);
+          for (int64_t g = 0; g < REG_G; g++) {
+            if (g >= gs) break;
+            const F w = V::set1(sc[g0 + g][at + j] * vs[j]);
+            for (int64_t c = 0; c < CS; c++) acc[g][c] = V::fmadd(w, v[c], acc[g][c]);
+          }
+        }
+        start += cnt;
+      }
+      for (int64_t g = 0; g < gs; g++)
+        for (int64_t c = 0; c < CS; c++) V::storeu(o + (g0 + g) * D + (c0 + c) * W, acc[g][c]);
+    }
+}
+
 // attend_tile for blocks of 32 slots, CHUNK slots (four blocks) at a time: their keys transposed once for the tile,
 // so that RB query rows' scores are vector products of broadcast query values over keys (no sums across lanes); one
 // softmax update a row for the chunk; the RB rows' values summed together, each value vector loaded once for them.
-// NV = D / 16.
-template <int64_t NV>
-void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
-                        int64_t s, int64_t h, int64_t t0, int64_t t1, float scale, int64_t window) {
-  // RB query rows at a time: RB x NV value sums and RB x 4 score sums stay in the 32 registers
-  constexpr int64_t D = NV * 16, D4 = D / 4, BS = 32, CHUNK = 128, RB = NV <= 4 ? 5 : 3;
+// V: the vector operations (V16 or V8); NV = D / V::W. The VNNI and bf16 paths are V16's (I8_QK_VNNI, I8_PV_BF16).
+template <class V, int64_t NV>
+void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
+                      int64_t s, int64_t h, int64_t t0, int64_t t1, float scale, int64_t window) {
+  using F = typename V::F;
+  constexpr int64_t W = V::W, D = NV * W, D4 = D / 4, BS = 32, CHUNK = 128, RB = V::RB(D), CS = V::CS(NV), KG = 4 * W;
   const int64_t G = sh.G, rows = (t1 - t0) * G;
   const int64_t p0 = seqs.pos(s, t0), plast = p0 + (t1 - t0) - 1;
   // floats: q (rows x D; u8 rows where VNNI), o, keys (D x CHUNK), values (CHUNK x D), scores, weights, scales
@@ -451,13 +539,13 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
   float *q = base, *o = q + rows * D, *kt = o + rows * D, *vf = kt + D * CHUNK, *sc = vf + CHUNK * D;
   float *wt = sc + RB * CHUNK, *kscl = wt + RB * CHUNK, *vscl = kscl + CHUNK, *m = vscl + CHUNK, *l = m + rows;
   float* qscl = l + rows;
-  const __m512 sv = _mm512_set1_ps(scale);
+  const F sv = V::set1(scale);
   for (int64_t t = t0; t < t1; t++)
     for (int64_t g = 0; g < G; g++) {
       const int64_t r = (t - t0) * G + g;
       const float* src = query + t * sh.H * D + (h * G + g) * D;
-      __m512 x[NV];
-      for (int64_t c = 0; c < NV; c++) x[c] = _mm512_mul_ps(_mm512_loadu_ps(src + c * 16), sv);
+      F x[NV];
+      for (int64_t c = 0; c < NV; c++) x[c] = V::mul(V::loadu(src + c * W), sv);
 #if I8_QK_VNNI
       // the row as int8 (q ~ qi * qscl[r]), stored + 128 as u8
       __m512 amax = _mm512_setzero_ps();
@@ -473,7 +561,7 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
       }
       qscl[r] = a / 127.f;
 #else
-      for (int64_t c = 0; c < NV; c++) _mm512_store_ps(q + r * D + c * 16, x[c]);
+      for (int64_t c = 0; c < NV; c++) V::store(q + r * D + c * W, x[c]);
 #endif
     }
   for (int64_t r = 0; r < rows; r++) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
@@ -482,10 +570,10 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
     const int64_t n = std::min(CHUNK, plast + 1 - start), groups = (n + 63) / 64;  // 64-key groups
     // slots start + j, 16 at a time: keys transposed (kt[d][j], or kq[d / 4][j]: four int8 of a key a 32-bit lane),
     // values widened
-    for (int64_t j0 = 0; j0 < groups * 64; j0 += 16) {
-      const int8_t* krow[16];
-      const int8_t* vrow[16];
-      for (int64_t e = 0; e < 16; e++) {
+    for (int64_t j0 = 0; j0 < groups * 64; j0 += W) {
+      const int8_t* krow[W];
+      const int8_t* vrow[W];
+      for (int64_t e = 0; e < W; e++) {
         const int64_t j = j0 + e, slot = start + j;
         if (j < n) {
           const int8_t* kb = rows_of(kc, sh, seqs.block(s, slot, BS), h);
@@ -515,11 +603,11 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
       _mm512_store_si512(reinterpret_cast<int32_t*>(wt) + j0, _mm512_slli_epi32(ksum, 7));  // wt: scratch until scored
 #else
       for (int64_t c = 0; c < NV; c++) {
-        __m512 r[16];
-        for (int64_t e = 0; e < 16; e++)
-          r[e] = krow[e] ? _mm512_mul_ps(widen(krow[e] + c * 16), _mm512_set1_ps(kscl[j0 + e])) : _mm512_setzero_ps();
-        transpose16(r);
-        for (int64_t e = 0; e < 16; e++) _mm512_store_ps(kt + (c * 16 + e) * CHUNK + j0, r[e]);
+        F r[W];
+        for (int64_t e = 0; e < W; e++)
+          r[e] = krow[e] ? V::mul(V::widen(krow[e] + c * W), V::set1(kscl[j0 + e])) : V::zero();
+        V::transpose(r);
+        for (int64_t e = 0; e < W; e++) V::store(kt + (c * W + e) * CHUNK + j0, r[e]);
       }
 #endif
 #if I8_PV_BF16
@@ -535,11 +623,10 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
                                              _mm512_and_si512(hi, _mm512_set1_epi32((int32_t)0xFFFF0000u))));
         }
 #else
-      for (int64_t e = 0; e < 16; e++)
+      for (int64_t e = 0; e < W; e++)
         for (int64_t c = 0; c < NV; c++)
-          _mm512_store_ps(vf + (j0 + e) * D + c * 16, vrow[e] ? _mm512_mul_ps(widen(vrow[e] + c * 16),
-                                                                                _mm512_set1_ps(vscl[j0 + e]))
-                                                              : _mm512_setzero_ps());
+          V::store(vf + (j0 + e) * D + c * W, vrow[e] ? V::mul(V::widen(vrow[e] + c * W), V::set1(vscl[j0 + e]))
+                                                      : V::zero());
 #endif
     }
 #if I8_QK_VNNI
@@ -558,9 +645,10 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
       int64_t jlo = CHUNK, jhi = 0;  // the slots any of the rows sees
       for (int64_t i = 0; i < nr; i++) jlo = std::min(jlo, lo[i]), jhi = std::max(jhi, hi[i]);
       if (jhi <= jlo) continue;
-      // scores of the RB rows, 64 keys at a time: RB x 4 accumulators, one broadcast query value for four products
-      for (int64_t g64 = jlo / 64; g64 * 64 < jhi; g64++) {
+      // scores of the RB rows, 4 vectors of keys at a time: RB x 4 accumulators, one broadcast query value for four
+      // products
 #if I8_QK_VNNI
+      for (int64_t g64 = jlo / 64; g64 * 64 < jhi; g64++) {
         const int32_t* kd = reinterpret_cast<const int32_t*>(kt) + g64 * 64;
         for (int64_t i = 0; i < RB; i += 2)  // two rows at a time (more accumulators, and GCC copies them around)
           if (i + 1 < RB)
@@ -569,57 +657,57 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
           else
             scores_vnni<D4, CHUNK, 1>(reinterpret_cast<const uint8_t*>(q), row + i, kd, kcorr + g64 * 64,
                                       kscl + g64 * 64, qscl, sc + i * CHUNK + g64 * 64);
+      }
 #else
-        __m512 acc[RB][4];
+      for (int64_t gk = jlo / KG; gk * KG < jhi; gk++) {
+        F acc[RB][4];
 #pragma GCC unroll 6
-        for (int64_t i = 0; i < RB; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
-        const float* kd = kt + g64 * 64;
+        for (int64_t i = 0; i < RB; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = V::zero();
+        const float* kd = kt + gk * KG;
 #pragma GCC unroll 2
         for (int64_t d = 0; d < D; d++) {
-          const __m512 k0 = _mm512_load_ps(kd + d * CHUNK), k1 = _mm512_load_ps(kd + d * CHUNK + 16);
-          const __m512 k2 = _mm512_load_ps(kd + d * CHUNK + 32), k3 = _mm512_load_ps(kd + d * CHUNK + 48);
+          const F k0 = V::load(kd + d * CHUNK), k1 = V::load(kd + d * CHUNK + W);
+          const F k2 = V::load(kd + d * CHUNK + 2 * W), k3 = V::load(kd + d * CHUNK + 3 * W);
 #pragma GCC unroll 6
           for (int64_t i = 0; i < RB; i++) {
-            const __m512 x = _mm512_set1_ps(q[row[i] * D + d]);
-            acc[i][0] = _mm512_fmadd_ps(x, k0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(x, k1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(x, k2, acc[i][2]);
-            acc[i][3] = _mm512_fmadd_ps(x, k3, acc[i][3]);
+            const F x = V::set1(q[row[i] * D + d]);
+            acc[i][0] = V::fmadd(x, k0, acc[i][0]);
+            acc[i][1] = V::fmadd(x, k1, acc[i][1]);
+            acc[i][2] = V::fmadd(x, k2, acc[i][2]);
+            acc[i][3] = V::fmadd(x, k3, acc[i][3]);
           }
         }
 #pragma GCC unroll 6
         for (int64_t i = 0; i < RB; i++)
-          for (int64_t u = 0; u < 4; u++) _mm512_store_ps(sc + i * CHUNK + g64 * 64 + u * 16, acc[i][u]);
-#endif
+#pragma GCC unroll 4
+          for (int64_t u = 0; u < 4; u++) V::store(sc + i * CHUNK + gk * KG + u * W, acc[i][u]);
       }
+#endif
       // each row's softmax update over the chunk (the slots it does not see count as -inf), and its weights: the
       // softmax times each slot's value scale (bf16, in slot order, where the values are summed in bf16 pairs)
       alignas(64) float corr[RB];
-      const int64_t vlo = jlo / 16, vhi = (jhi + 15) / 16;  // the 16-slot vectors any row sees
+      const int64_t vlo = jlo / W, vhi = (jhi + W - 1) / W;  // the W-slot vectors any row sees
       for (int64_t i = 0; i < RB; i++) {
         const int64_t r = r0 + i;
         float* x = sc + i * CHUNK;
         if (hi[i] <= lo[i]) {  // nothing seen in this chunk (or a padding row)
-          for (int64_t v = vlo; v < vhi; v++) _mm512_store_ps(x + v * 16, _mm512_setzero_ps());
+          for (int64_t v = vlo; v < vhi; v++) V::store(x + v * W, V::zero());
           corr[i] = 1.f;
         } else {
-          __m512 mx = _mm512_set1_ps(m[r]);
+          F mx = V::set1(m[r]);
+          for (int64_t v = vlo; v < vhi; v++)
+            mx = V::mask_max(mx, V::lanes(lo[i] - v * W, hi[i] - v * W), V::load(x + v * W));
+          const float mnew = V::reduce_max(mx);
+          const F mv = V::set1(mnew);
+          F sum = V::zero();
           for (int64_t v = vlo; v < vhi; v++) {
-            const __mmask16 k = first(hi[i] - v * 16) & (__mmask16)~first(lo[i] - v * 16);
-            mx = _mm512_mask_max_ps(mx, k, mx, _mm512_load_ps(x + v * 16));
+            const F e = V::maskz(V::lanes(lo[i] - v * W, hi[i] - v * W), V::exp(V::sub(V::load(x + v * W), mv)));
+            V::store(x + v * W, e);
+            sum = V::add(sum, e);
           }
-          const float mnew = _mm512_reduce_max_ps(mx);
-          const __m512 mv = _mm512_set1_ps(mnew);
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t v = vlo; v < vhi; v++) {
-            const __mmask16 k = first(hi[i] - v * 16) & (__mmask16)~first(lo[i] - v * 16);
-            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_load_ps(x + v * 16), mv)));
-            _mm512_store_ps(x + v * 16, e);
-            sum = _mm512_add_ps(sum, e);
-          }
-          // e^(m - mnew) for the sums so far (0 where nothing was seen before: m = -inf, clamped by exp16)
-          corr[i] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mnew)));
-          l[r] = l[r] * corr[i] + _mm512_reduce_add_ps(sum);
+          // e^(m - mnew) for the sums so far (0 where nothing was seen before: m = -inf, clamped by the exp)
+          corr[i] = V::lane0(V::exp(V::set1(m[r] - mnew)));
+          l[r] = l[r] * corr[i] + V::reduce_add(sum);
           m[r] = mnew;
         }
 #if I8_PV_BF16
@@ -631,46 +719,50 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
 #endif
       }
       // the RB rows' values together: each value vector loaded once, RB x NV accumulators
-      __m512 acc[RB][NV];
+      // the RB rows' values together, CS vectors of each at a time (all of them with 32 registers): each value vector
+      // loaded once for the RB rows, RB x CS sums
+      for (int64_t c0 = 0; c0 < NV; c0 += CS) {
+        F acc[RB][CS];
 #pragma GCC unroll 6
-      for (int64_t i = 0; i < RB; i++) {
-        const float* orow = o + row[i] * D;
-        const __m512 cv = _mm512_set1_ps(corr[i]);
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < NV; c++) acc[i][c] = _mm512_mul_ps(_mm512_load_ps(orow + c * 16), cv);
-      }
+        for (int64_t i = 0; i < RB; i++) {
+          const float* orow = o + row[i] * D + c0 * W;
+          const F cv = V::set1(corr[i]);
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < CS; c++) acc[i][c] = V::mul(V::load(orow + c * W), cv);
+        }
 #if I8_PV_BF16
-      const uint32_t* vp = reinterpret_cast<const uint32_t*>(vf);
-      for (int64_t pair = vlo * 8; pair < vhi * 8; pair++) {  // slots 2 pair, 2 pair + 1
-        __m512i v[NV];
+        const uint32_t* vp = reinterpret_cast<const uint32_t*>(vf) + c0 * W;
+        for (int64_t pair = vlo * 8; pair < vhi * 8; pair++) {  // slots 2 pair, 2 pair + 1
+          __m512i v[CS];
 #pragma GCC unroll 8
-        for (int64_t c = 0; c < NV; c++) v[c] = _mm512_load_si512(vp + pair * D + c * 16);
+          for (int64_t c = 0; c < CS; c++) v[c] = _mm512_load_si512(vp + pair * D + c * 16);
 #pragma GCC unroll 6
-        for (int64_t i = 0; i < RB; i++) {
-          const __m512i w = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(wt + i * CHUNK)[pair]);
+          for (int64_t i = 0; i < RB; i++) {
+            const __m512i w = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(wt + i * CHUNK)[pair]);
 #pragma GCC unroll 8
-          for (int64_t c = 0; c < NV; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)v[c], (__m512bh)w);
+            for (int64_t c = 0; c < CS; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)v[c], (__m512bh)w);
+          }
         }
-      }
 #else
-      for (int64_t j = jlo; j < jhi; j++) {
-        __m512 v[NV];
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < NV; c++) v[c] = _mm512_load_ps(vf + j * D + c * 16);
+        for (int64_t j = jlo; j < jhi; j++) {
+          F w[RB];
 #pragma GCC unroll 6
-        for (int64_t i = 0; i < RB; i++) {
-          const __m512 w = _mm512_set1_ps(sc[i * CHUNK + j]);
-#pragma GCC unroll 8
-          for (int64_t c = 0; c < NV; c++) acc[i][c] = _mm512_fmadd_ps(w, v[c], acc[i][c]);
+          for (int64_t i = 0; i < RB; i++) w[i] = V::set1(sc[i * CHUNK + j]);
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < CS; c++) {
+            const F v = V::load(vf + j * D + (c0 + c) * W);
+#pragma GCC unroll 6
+            for (int64_t i = 0; i < RB; i++) acc[i][c] = V::fmadd(w[i], v, acc[i][c]);
+          }
         }
-      }
 #endif
-      // (over all RB, so that the sums stay registers in the loops above)
+        // (over all RB, so that the sums stay registers in the loops above)
 #pragma GCC unroll 6
-      for (int64_t i = 0; i < RB; i++)
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < NV; c++)
-          if (i < nr) _mm512_store_ps(o + (r0 + i) * D + c * 16, acc[i][c]);
+        for (int64_t i = 0; i < RB; i++)
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < CS; c++)
+            if (i < nr) V::store(o + (r0 + i) * D + (c0 + c) * W, acc[i][c]);
+      }
     }
   }
   for (int64_t t = t0; t < t1; t++)
@@ -678,8 +770,7 @@ void attend_tile_avx512(const float* query, float* out, int8_t* kc, int8_t* vc, 
       const int64_t r = (t - t0) * G + g;
       const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
       float* dst = out + t * sh.H * D + (h * G + g) * D;
-      for (int64_t c = 0; c < NV; c++)
-        _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(o + r * D + c * 16), _mm512_set1_ps(inv)));
+      for (int64_t c = 0; c < NV; c++) V::storeu(dst + c * W, V::mul(V::load(o + r * D + c * W), V::set1(inv)));
     }
 }
 #endif
@@ -692,12 +783,12 @@ using TileKernel = void (*)(const float*, float*, int8_t*, int8_t*, const Shape&
                             int64_t, int64_t, float, int64_t);
 
 RunKernel run_kernel_for(const Shape& sh) {
-#ifdef __AVX512F__
+#ifdef I8_SIMD_TILES
   switch (sh.D) {
-    case 32: return attend_run_avx512<2>;
-    case 64: return attend_run_avx512<4>;
-    case 96: return attend_run_avx512<6>;
-    case 128: return attend_run_avx512<8>;
+    case 32: return attend_run_simd<Vec, 32 / Vec::W>;
+    case 64: return attend_run_simd<Vec, 64 / Vec::W>;
+    case 96: return attend_run_simd<Vec, 96 / Vec::W>;
+    case 128: return attend_run_simd<Vec, 128 / Vec::W>;
   }
 #endif
   return sh.BS != 32 ? attend_run<0, 0> : sh.D == 64 ? attend_run<64, 32> : sh.D == 128 ? attend_run<128, 32>
@@ -705,12 +796,12 @@ RunKernel run_kernel_for(const Shape& sh) {
 }
 
 TileKernel tile_kernel_for(const Shape& sh) {
-#ifdef __AVX512F__
+#ifdef I8_SIMD_TILES
   if (sh.BS == 32) switch (sh.D) {
-      case 32: return attend_tile_avx512<2>;
-      case 64: return attend_tile_avx512<4>;
-      case 96: return attend_tile_avx512<6>;
-      case 128: return attend_tile_avx512<8>;
+      case 32: return attend_tile_simd<Vec, 32 / Vec::W>;
+      case 64: return attend_tile_simd<Vec, 64 / Vec::W>;
+      case 96: return attend_tile_simd<Vec, 96 / Vec::W>;
+      case 128: return attend_tile_simd<Vec, 128 / Vec::W>;
     }
 #endif
   return sh.BS != 32 ? attend_tile<0, 0> : sh.D == 64 ? attend_tile<64, 32> : sh.D == 128 ? attend_tile<128, 32>
@@ -894,6 +985,9 @@ extern "C" const char* kvexport_i8_kernels(int64_t head_dim) {
 #ifdef __AVX512F__
   if (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128)
     return "decode: AVX-512 f32; prompts: AVX-512, scores " I8_QK_NAME ", weighted values " I8_PV_NAME;
+#elif defined(I8_SIMD_TILES)
+  if (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128)
+    return "decode: AVX2 f32; prompts: AVX2 f32";
 #endif
   (void)head_dim;
   return "decode: portable f32; prompts: portable f32";
