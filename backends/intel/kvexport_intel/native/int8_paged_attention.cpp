@@ -358,6 +358,7 @@ struct V16 {
   static constexpr int64_t W = 16;
   static constexpr int64_t RB(int64_t D) { return D <= 64 ? 5 : 3; }  // RB x D/16 value sums and RB x 4 score sums
   static constexpr int64_t CS(int64_t NV) { return NV; }
+  static constexpr int64_t CHUNK = 128;  // slots a tile's pass takes
   static F load(const float* p) { return _mm512_load_ps(p); }
   static F loadu(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_store_ps(p, x); }
@@ -393,6 +394,7 @@ struct V8 {
   // 16 registers: two rows' 4 score sums and 4 key vectors; their values 4 vectors (32 values) at a time
   static constexpr int64_t RB(int64_t) { return 2; }
   static constexpr int64_t CS(int64_t NV) { return NV < 4 ? NV : 4; }
+  static constexpr int64_t CHUNK = 64;  // a chunk's keys and values (2 x 64 x D floats) within the L1
   static F load(const float* p) { return _mm256_load_ps(p); }
   static F loadu(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_store_ps(p, x); }
@@ -406,12 +408,12 @@ struct V8 {
   static F widen(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  static M lanes(int64_t lo, int64_t hi) {
-    const __m256i i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i a = _mm256_set1_epi32((int32_t)std::max<int64_t>(-1, std::min<int64_t>(lo, 8)) - 1);
-    const __m256i b = _mm256_set1_epi32((int32_t)std::max<int64_t>(0, std::min<int64_t>(hi, 8)));
-    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(i, a), _mm256_cmpgt_epi32(b, i)));
+  static M first(int64_t n) {  // lanes 0 .. n-1: eight all-ones words then eight zeros, read from 8 - n
+    alignas(64) static const int32_t ones_then_zeros[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    const int64_t k = std::max<int64_t>(0, std::min<int64_t>(n, 8));
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(ones_then_zeros + 8 - k));
   }
+  static M lanes(int64_t lo, int64_t hi) { return _mm256_andnot_ps(first(lo), first(hi)); }  // lanes lo <= i < hi
   static F mask_max(F acc, M m, F x) { return _mm256_blendv_ps(acc, _mm256_max_ps(acc, x), m); }
   static F maskz(M m, F x) { return _mm256_and_ps(m, x); }
   static float reduce_max(F x) {
@@ -530,7 +532,7 @@ template <class V, int64_t NV>
 void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
                       int64_t s, int64_t h, int64_t t0, int64_t t1, float scale, int64_t window) {
   using F = typename V::F;
-  constexpr int64_t W = V::W, D = NV * W, D4 = D / 4, BS = 32, CHUNK = 128, RB = V::RB(D), CS = V::CS(NV), KG = 4 * W;
+  constexpr int64_t W = V::W, D = NV * W, D4 = D / 4, BS = 32, CHUNK = V::CHUNK, RB = V::RB(D), CS = V::CS(NV), KG = 4 * W;
   const int64_t G = sh.G, rows = (t1 - t0) * G;
   const int64_t p0 = seqs.pos(s, t0), plast = p0 + (t1 - t0) - 1;
   // floats: q (rows x D; u8 rows where VNNI), o, keys (D x CHUNK), values (CHUNK x D), scores, weights, scales
