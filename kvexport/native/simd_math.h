@@ -41,6 +41,33 @@ __attribute__((target("avx512f,fma"))) static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+/* r[i] = row i (16 floats) -> r[d] = column d (16 floats: row 0..15's element d) */
+__attribute__((target("avx512f"))) static inline void transpose16(__m512 *r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; k++) {
+    t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(3, 1, 3, 1));
+    t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  for (int k = 0; k < 4; k++) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
 /* 8 vectors -> one vector of their 8 sums */
 __attribute__((target("avx2,fma"))) static inline __m256 sum8(const __m256 *v) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));

@@ -144,10 +144,6 @@ class IntelBackend(Backend):
                              + ("this CPU has neither AMX-BF16 nor AVX512-BF16" if not isa.has_bf16(flags)
                                 else f"--weights {weights}") + "); for a 2-byte cache under f32 activations pass "
                              "--kv fp16 (the same bytes, 3 more mantissa bits), or --kv fp32")
-        if kv == "i8":  # its op is compiled here, so a missing compiler stops the build before the export
-            from kvexport_intel.int8_blocks import library
-
-            library()
         if kv != "f32" and "ring_cache" in options.extra and extra["ring_cache"]:
             raise InputError(f"--option ring_cache=true with the {kv} cache: {RINGS_F32}; build with --kv fp32 to keep "
                              "the rings, or leave ring_cache unset for a quantized cache on full-length sliding layers")
@@ -434,14 +430,19 @@ def _activations(weights: str, flags: set[str]) -> str:
 def _build_kv(options: BuildOptions, flags: set[str]) -> tuple[str, str | None]:
     """The cache precision a build holds, in OpenVINO's words (or i8), and why where the build chose it: core hands
     --kv in options.kv and keeps --option kv_precision (its alias, which names the int8 format) in options.extra.
-    --kv int8 alone is i8 or u8 as kvexport_intel.int8_blocks.int8_format picks for this CPU."""
+    --kv int8 alone is i8 or u8 as kvexport_intel.int8_blocks.int8_format picks for this CPU. Where the build holds
+    i8, its op has been compiled (BackendUnavailableError where it cannot be)."""
     named = options.extra.get("kv_precision")
     if named:
+        if _kv_precision(named) == "i8":  # its op is compiled here: a missing compiler stops the build before the export
+            from kvexport_intel.int8_blocks import library
+
+            library()
         return _kv_precision(named), None
     if (options.kv or "fp32") == "int8":
         from kvexport_intel.int8_blocks import int8_format
 
-        return int8_format(flags)
+        return int8_format(flags)  # compiles the op where it picks i8
     return _kv_precision(KV_MODES[options.kv or "fp32"]), None
 
 

@@ -261,36 +261,11 @@ void attend_tile(const float* query, float* out, int8_t* kc, int8_t* vc, const S
 #ifdef __AVX512F__
 // ---------------------------------------------------------------- AVX-512 (compiled where -march=native has it)
 
-// sum16 (16 vectors -> one vector of their 16 sums) and exp16 (e^x to about 2 ulp, 0 below -104): simd_math.h
+// sum16 (16 vectors -> one vector of their 16 sums), exp16 (e^x to about 2 ulp, 0 below -104) and transpose16 (16 x 16),
+// and their AVX2 forms sum8, exp8 and transpose8: simd_math.h
 
 inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
 
-// r[i] = row i (16 floats) -> r[d] = column d (16 floats: row 0..15's element d)
-inline void transpose16(__m512* r) {
-  __m512 t[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; i++) {
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int k = 0; k < 4; k++) {
-    t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(2, 0, 2, 0));
-    t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], _MM_SHUFFLE(3, 1, 3, 1));
-    t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(2, 0, 2, 0));
-    t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], _MM_SHUFFLE(3, 1, 3, 1));
-  }
-  for (int k = 0; k < 4; k++) {
-    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], _MM_SHUFFLE(2, 0, 2, 0));
-    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], _MM_SHUFFLE(3, 1, 3, 1));
-    r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], _MM_SHUFFLE(2, 0, 2, 0));
-    r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
 inline __m512 widen(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 
 // How the prompt kernel multiplies, where -march=native has the instructions (kernels() names the choice):
@@ -381,7 +356,7 @@ struct V16 {
   static F load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }  // 0 past n
   static F sum_rows(const F* v) { return sum16(v); }  // W vectors -> one vector of their W sums
 };
-#define I8_SIMD_TILES "AVX-512"  // (the decode kernel too)
+#define I8_SIMD "AVX-512"
 using Vec = V16;
 #endif
 
@@ -432,11 +407,11 @@ struct V8 {
   static F load_first(const float* p, int64_t n) { return _mm256_maskload_ps(p, _mm256_castps_si256(lanes(0, n))); }
   static F sum_rows(const F* v) { return sum8(v); }
 };
-#define I8_SIMD_TILES "AVX2"
+#define I8_SIMD "AVX2"
 using Vec = V8;
 #endif
 
-#ifdef I8_SIMD_TILES
+#ifdef I8_SIMD
 // attend_run with W rows' scores summed together (V::sum_rows) and one softmax over the run; NV = D / V::W.
 template <class V, int64_t NV>
 void attend_run_simd(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs, int64_t s,
@@ -570,7 +545,10 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
   std::fill(o, o + rows * D, 0.f);
   for (int64_t start = (first_seen(p0, window) / BS) * BS; start <= plast; start += CHUNK) {
     const int64_t n = std::min(CHUNK, plast + 1 - start), groups = (n + 63) / 64;  // 64-key groups
-    // slots start + j, 16 at a time: keys transposed (kt[d][j], or kq[d / 4][j]: four int8 of a key a 32-bit lane),
+#if I8_QK_VNNI
+    alignas(64) int32_t kcorr[CHUNK];  // each key's sum of values, times 128: what the queries' offset adds to a score
+#endif
+    // slots start + j, W at a time: keys transposed (kt[d][j], or kq[d / 4][j]: four int8 of a key a 32-bit lane),
     // values widened
     for (int64_t j0 = 0; j0 < groups * 64; j0 += W) {
       const int8_t* krow[W];
@@ -578,8 +556,9 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
       for (int64_t e = 0; e < W; e++) {
         const int64_t j = j0 + e, slot = start + j;
         if (j < n) {
-          const int8_t* kb = rows_of(kc, sh, seqs.block(s, slot, BS), h);
-          const int8_t* vb = rows_of(vc, sh, seqs.block(s, slot, BS), h);
+          const int32_t b = seqs.block(s, slot, BS);
+          const int8_t* kb = rows_of(kc, sh, b, h);
+          const int8_t* vb = rows_of(vc, sh, b, h);
           const int64_t at = slot % BS;
           krow[e] = kb + at * D, vrow[e] = vb + at * D;
           kscl[j] = scales_of(const_cast<int8_t*>(kb), sh)[at];
@@ -598,11 +577,10 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
         transpose16(r);
         for (int64_t e = 0; e < 16 && c4 + e < D4; e++) _mm512_store_ps(kt + (c4 + e) * CHUNK + j0, r[e]);
       }
-      // each key's sum of values, times 128: what the queries' offset added to its scores
       __m512i ksum = _mm512_setzero_si512();
       for (int64_t d4 = 0; d4 < D4; d4++)
         ksum = _mm512_dpbusd_epi32(ksum, _mm512_set1_epi8(1), _mm512_load_si512(kq + d4 * CHUNK + j0));
-      _mm512_store_si512(reinterpret_cast<int32_t*>(wt) + j0, _mm512_slli_epi32(ksum, 7));  // wt: scratch until scored
+      _mm512_store_si512(kcorr + j0, _mm512_slli_epi32(ksum, 7));
 #else
       for (int64_t c = 0; c < NV; c++) {
         F r[W];
@@ -631,10 +609,6 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
                                                       : V::zero());
 #endif
     }
-#if I8_QK_VNNI
-    alignas(64) int32_t kcorr[CHUNK];
-    std::memcpy(kcorr, wt, sizeof kcorr);
-#endif
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
       const int64_t nr = std::min(RB, rows - r0);
       int64_t row[RB], lo[RB], hi[RB];
@@ -785,7 +759,7 @@ using TileKernel = void (*)(const float*, float*, int8_t*, int8_t*, const Shape&
                             int64_t, int64_t, float, int64_t);
 
 RunKernel run_kernel_for(const Shape& sh) {
-#ifdef I8_SIMD_TILES
+#ifdef I8_SIMD
   switch (sh.D) {
     case 32: return attend_run_simd<Vec, 32 / Vec::W>;
     case 64: return attend_run_simd<Vec, 64 / Vec::W>;
@@ -798,7 +772,7 @@ RunKernel run_kernel_for(const Shape& sh) {
 }
 
 TileKernel tile_kernel_for(const Shape& sh) {
-#ifdef I8_SIMD_TILES
+#ifdef I8_SIMD
   if (sh.BS == 32) switch (sh.D) {
       case 32: return attend_tile_simd<Vec, 32 / Vec::W>;
       case 64: return attend_tile_simd<Vec, 64 / Vec::W>;
@@ -920,9 +894,9 @@ class Int8PagedAttention : public ov::op::Op {
         tiles.push_back({s, t, std::min<int64_t>(t + QTILE, seqs.begins[s + 1])});
     // the longest tiles (the latest positions) first, so the threads end together
     std::reverse(tiles.begin(), tiles.end());
+    const TileKernel tile_kernel = tile_kernel_for(sh);
     tbb::parallel_for(int64_t(0), (int64_t)tiles.size() * sh.KV, [&](int64_t i) {
       const Tile& tile = tiles[i / sh.KV];
-      const auto tile_kernel = tile_kernel_for(sh);
       tile_kernel(query, out, kc, vc, sh, seqs, tile.s, i % sh.KV, tile.t0, tile.t1, scale, window);
     });
     return true;
@@ -946,13 +920,13 @@ class Int8PagedAttention : public ov::op::Op {
     }
     const int64_t stride = G * (D + 2);  // a task's partial: m (G), l (G), o (G x D)
     std::vector<float> part(tasks.size() * stride);
+    const RunKernel run_kernel = run_kernel_for(sh);
     tbb::parallel_for(int64_t(0), (int64_t)tasks.size(), [&](int64_t i) {
       const Task& k = tasks[i];
       float q[MAX_GROUP * MAX_D];
       const float* src = query + seqs.begins[k.s] * sh.H * D + k.h * G * D;
       for (int64_t x = 0; x < G * D; x++) q[x] = src[x] * scale;
       float* p = part.data() + i * stride;
-      const auto run_kernel = run_kernel_for(sh);
       run_kernel(q, G, kc, vc, sh, seqs, k.s, k.h, k.lo, k.hi, p, p + G, p + 2 * G);
     });
     for (int64_t s = 0; s < seqs.n; s++)
@@ -987,9 +961,9 @@ extern "C" const char* kvexport_i8_kernels(int64_t head_dim) {
 #ifdef __AVX512F__
   if (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128)
     return "decode: AVX-512 f32; prompts: AVX-512, scores " I8_QK_NAME ", weighted values " I8_PV_NAME;
-#elif defined(I8_SIMD_TILES)
+#elif defined(I8_SIMD)
   if (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128)
-    return "decode: AVX2 f32; prompts: AVX2 f32";
+    return "decode: " I8_SIMD " f32; prompts: " I8_SIMD " f32";
 #endif
   (void)head_dim;
   return "decode: portable f32; prompts: portable f32";
