@@ -70,6 +70,9 @@ class Capabilities:
     kv_follows_weights: bool = False  # with no --kv, the cache takes the weights' float type (else fp32)
     # sliding-window layers keep a ring of window slots (IR: TensorScatter mode=circular); False: full length
     ring_cache: bool = False
+    # loading may rebuild the engine for this device or SDK, which the load option no_rebuild (`--no-rebuild`) turns
+    # into an error; a backend that never rebuilds at load satisfies no_rebuild as it is, and core drops it
+    rebuilds_at_load: bool = False
     options: tuple[Option, ...] = ()  # its --option keys (see Option)
     # an option that is another name for a core flag: {option: (flag, {its value: the flag's value})}
     option_aliases: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)
@@ -186,7 +189,10 @@ class Backend(ABC):
         from kvexport.artifact import check_integrity
 
         check_integrity(Path(folder), manifest)
-        declared = {o.name: o for o in self.capabilities().options if o.phase in ("load", "both")}
+        caps = self.capabilities()
+        if not caps.rebuilds_at_load:  # this engine is never rebuilt at load: no_rebuild holds already
+            options = {k: v for k, v in options.items() if k != "no_rebuild"}
+        declared = {o.name: o for o in caps.options if o.phase in ("load", "both")}
         typed = {k: parse_option(declared[k], v) if k in declared else v for k, v in options.items()}
         return self.open_session(Path(folder), manifest, **typed)
 

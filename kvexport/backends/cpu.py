@@ -107,6 +107,7 @@ class CpuBackend(_Backend):
             default_group_size=default_group_sizes(read_cpu_flags()),  # int8: 128, 32 with AMX-INT8
             kv_modes=("fp32", "int8"),
             ring_cache=True,  # ring layers stay unfused Attention-24 + TensorScatter circular (GroupQueryAttention has no ring)
+            rebuilds_at_load=True,  # the engine file is rebuilt from the IR where ONNX Runtime differs
             devices=("cpu",),
             sdk=("onnxruntime",),
             options=OPTIONS,

@@ -47,6 +47,9 @@ def test_build_intel_on_the_embedded_default_then_run(tmp_path: Path) -> None:
     run = kvx("run", str(out), "--prompt", "hello", "--max-new-tokens", "5")
     assert run.returncode == 0, run.stderr
     assert no_raw_warnings(run), run.stderr
+    # OpenVINO compiles the engine file at every load and nothing is rebuilt: --no-rebuild holds as it is
+    again = kvx("run", str(out), "--prompt", "hello", "--max-new-tokens", "5", "--no-rebuild")
+    assert again.returncode == 0 and again.stdout == run.stdout, again.stderr
 
 
 def test_doctor_shows_amx_numa_and_the_precision_it_would_pick() -> None:
@@ -59,7 +62,8 @@ def test_doctor_shows_amx_numa_and_the_precision_it_would_pick() -> None:
     from kvexport.doctor import read_cpu_flags
 
     flags = read_cpu_flags()  # the format --kv int8 holds on this CPU, and why (the compiler looked for, not run)
-    pays = "avx512f" in flags and not {"amx_bf16", "amx_int8"} & flags
+    vector = "avx512f" in flags or {"avx2", "fma"} <= flags
+    pays = vector and not {"amx_bf16", "amx_int8"} & flags
     assert intel["kv_int8"].startswith(f"{'i8' if pays else 'u8'}: "), intel["kv_int8"]
 
 

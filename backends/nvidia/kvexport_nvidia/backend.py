@@ -81,6 +81,7 @@ class NvidiaBackend(Backend):
             devices=("cuda",),
             sdk=("tensorrt", "torch"),
             deferred_build=True,
+            rebuilds_at_load=True,  # a plan for another GPU or TensorRT is rebuilt from the packaged IR
             threads_option=False,
             kv_modes=("fp16", "bf16", "fp32"),
             kv_follows_weights=True,  # the cache is in the engine's dtype
