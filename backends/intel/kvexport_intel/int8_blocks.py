@@ -45,11 +45,11 @@ PA_INPUTS, QUERY = 11, 0
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
          "-shared", "-fPIC", "-DNDEBUG")
 # builds of the op a process may ask for through its environment, so that the kernels other CPUs run are tested on
-# this one: KVEXPORT_I8_AVX2=1 without AVX-512 (an AVX2 Zen 3's: AVX2 prompt kernels, portable decode loops),
-# KVEXPORT_I8_PORTABLE=1 without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS=1 with AVX-512 prompt kernels
-# in f32 only (an AVX-512 CPU without VNNI and AVX512-BF16: Skylake), KVEXPORT_I8_NO_BF16=1 without AVX512-BF16 (VNNI
-# scores, f32 weighted values: Cascade Lake, Ice Lake). One a process: two builds of the op cannot be loaded in one
-# process (they register the same op).
+# this one: KVEXPORT_I8_AVX2=1 without AVX-512 (an AVX2 Zen 3's: AVX2 kernels, prompts in int16 pairs),
+# KVEXPORT_I8_PORTABLE=1 without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS=1 with prompt kernels in f32
+# only (with AVX-512: an AVX-512 CPU without VNNI and AVX512-BF16, Skylake; beside KVEXPORT_I8_AVX2: the AVX2 kernels in
+# f32), KVEXPORT_I8_NO_BF16=1 without AVX512-BF16 (VNNI scores, f32 weighted values: Cascade Lake, Ice Lake). One build
+# a process: two builds of the op cannot be loaded in one process (they register the same op).
 VARIANTS = {"KVEXPORT_I8_AVX2": ("-mno-avx512f",), "KVEXPORT_I8_PORTABLE": ("-mno-avx2",),
             "KVEXPORT_I8_F32_PROMPTS": ("-DKVEXPORT_I8_F32_PROMPTS",), "KVEXPORT_I8_NO_BF16": ("-mno-avx512bf16",)}
 
@@ -93,14 +93,17 @@ def library() -> Path:
 
 def int8_format(flags: set[str], compile: bool = True) -> tuple[str, str]:
     """The format `--kv int8` takes where the build names none (--option kv_precision=u8 or i8), and why: `i8` where
-    this CPU runs the op's AVX-512 kernels, has no AMX for OpenVINO's own kernel to compute prompts on, and the op
-    compiles here (this compiles it, once; compile=False, as `kvexport doctor` asks, only looks for the compiler);
-    else OpenVINO's `u8`."""
+    this CPU runs the op's vector kernels (AVX-512, or AVX2 with FMA), has no AMX for OpenVINO's own kernel to compute
+    prompts on, and the op compiles here (this compiles it, once; compile=False, as `kvexport doctor` asks, only looks
+    for the compiler); else OpenVINO's `u8`."""
     other = "; --option kv_precision=i8 asks for kvexport's i8 cache regardless"
-    if "avx512f" not in flags:
-        return "u8", ("this CPU has no AVX-512, which the i8 cache's decode kernels are written for (with AVX2 its "
-                      "prompts run AVX2 kernels and its decode steps portable loops; not measured on an AVX2 CPU)"
-                      + other)
+    if "avx512f" in flags:
+        isa = "AVX-512"
+    elif {"avx2", "fma"} <= flags:
+        isa = "AVX2"
+    else:
+        return "u8", ("this CPU has neither AVX-512 nor AVX2 with FMA, which the i8 cache's kernels are written for "
+                      "(elsewhere it runs portable loops, several times slower than OpenVINO's u8)" + other)
     if "amx_bf16" in flags or "amx_int8" in flags:
         return "u8", ("OpenVINO's u8 kernel computes prompts on this CPU's AMX tiles, which the i8 cache's kernels do "
                       "not use (not measured against each other on an AMX CPU)" + other)
@@ -113,7 +116,7 @@ def int8_format(flags: set[str], compile: bool = True) -> tuple[str, str]:
     except BackendUnavailableError as e:
         return "u8", f"the i8 cache's op cannot be compiled here: {e}"
     return "i8", ("kvexport's int8 blocks: one f32 scale per token and KV head (0.266x an f32 cache at head_dim 64; "
-                  "u8 keeps a scale and a zero point, 0.281x), their AVX-512 kernels on this CPU; "
+                  f"u8 keeps a scale and a zero point, 0.281x), their {isa} kernels on this CPU; "
                   "--option kv_precision=u8 for OpenVINO's u8")
 
 

@@ -53,14 +53,16 @@ def op_model(lib: Path, H: int, KV: int, D: int, window: int) -> object:
 
 def as_prompt_kernel(op_lib: Path, q: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, float]:
     """What the prompt kernel of this build computes with, for the reference: the query rows (tokens, heads, D) it
-    multiplies (where its scores are int8 VNNI products: each head's row, scaled by D^-0.5 in f32, rounded to int8 with
-    one scale, as the kernel does), and how far its output may be from the reference's (where its weighted values are
-    bf16 pair products: each weight rounded to bf16's 8 significant bits, at most 2^-8 of it off, so the output at most
-    2^-8 of the largest value)."""
+    multiplies (where its scores are int8 products, VNNI's or AVX2's int16 pairs: each head's row, scaled by D^-0.5
+    in f32, rounded to int8 with one scale, as the kernel does), and how far its output may be from the reference's
+    (where its weighted values are bf16 pair products: each weight rounded to bf16's 8 significant bits, at most 2^-8
+    of it off, so the output at most 2^-8 of the largest value; where they are AVX2's int16 pair products: 2^-9)."""
     said = int8_blocks.kernels(op_lib, q.shape[-1])
     atol = 2e-5
     if "weighted values bf16" in said:
         atol += 2.0 ** -8 * float(np.abs(values).max())
+    if "weighted values int16" in said:  # a chunk's 128 weights each at most 0.5 / 32767 of its largest off
+        atol += 2.0 ** -9 * float(np.abs(values).max())
     if "scores int8" in said:
         scale = np.float32(q.shape[-1] ** -0.5)
         x = q.astype(np.float32) * scale
@@ -256,12 +258,20 @@ def test_an_i8_artifact_holds_u8_where_its_op_cannot_be_compiled(intel_artifacts
 
 
 @pytest.mark.parametrize("flags, held, why", [
-    ({"avx2"}, "u8", "no AVX-512"),
-    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "u8", "AMX"),
+    ({"sse4_2", "avx"}, "u8", "neither AVX-512 nor AVX2 with FMA"),
+    ({"avx2"}, "u8", "neither AVX-512 nor AVX2 with FMA"),
+    ({"avx2", "fma", "avx512f", "amx_bf16", "amx_tile"}, "u8", "AMX"),
+    ({"avx2", "fma", "amx_int8", "amx_tile"}, "u8", "AMX"),
 ])
 def test_kv_int8_alone_takes_u8_where_i8_does_not_pay(flags: set, held: str, why: str) -> None:
     fmt, reason = int8_blocks.int8_format(flags)
     assert fmt == held and why in reason and "kv_precision=i8" in reason
+
+
+@pytest.mark.parametrize("flags, isa", [({"avx2", "fma"}, "AVX2"), ({"avx2", "fma", "avx512f"}, "AVX-512")])
+def test_kv_int8_alone_takes_i8_where_its_kernels_are(flags: set, isa: str) -> None:
+    fmt, reason = int8_blocks.int8_format(flags)
+    assert fmt == "i8" and f"their {isa} kernels" in reason and "kv_precision=u8" in reason
 
 
 def test_kv_int8_alone_takes_u8_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,7 +282,7 @@ def test_kv_int8_alone_takes_u8_without_a_compiler(tmp_path: Path, monkeypatch: 
 
 
 def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict, tmp_path: Path) -> None:
-    """`--kv int8` without kv_precision: i8 on an AVX-512 CPU without AMX (where the op compiles), else u8; the
+    """`--kv int8` without kv_precision: i8 on an AVX-512 or AVX2 CPU without AMX (where the op compiles), else u8; the
     build prints the pick and its reason, the manifest records format, bytes a token and reason, and `kvexport
     inspect` shows them."""
     from kvexport.backends import BuildOptions
@@ -280,7 +290,8 @@ def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict
     from kvexport.doctor import read_cpu_flags
 
     flags = read_cpu_flags()
-    expected = "i8" if "avx512f" in flags and not {"amx_bf16", "amx_int8"} & flags else "u8"
+    vector = "avx512f" in flags or {"avx2", "fma"} <= flags
+    expected = "i8" if vector and not {"amx_bf16", "amx_int8"} & flags else "u8"
     said: list[str] = []
     art = build(intel_artifacts["llama"][0], tmp_path / "kv8.kvx", target="intel", max_seq=64, verify=False,
                 options=BuildOptions(kv="int8"), progress=said.append)
@@ -297,22 +308,25 @@ def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict
     assert f"    format: {kv['format']}\n    why: {kv['why']}\n" in shown.stdout
 
 
-@pytest.mark.parametrize("variant", list(int8_blocks.VARIANTS))
+@pytest.mark.parametrize("variant", [*int8_blocks.VARIANTS, "KVEXPORT_I8_AVX2+KVEXPORT_I8_F32_PROMPTS"])
 def test_other_builds_attend_as_this_one_does(variant: str) -> None:
     """The op tests above again, in a process whose op is compiled as another CPU's is (two builds of the op cannot
-    share a process): KVEXPORT_I8_AVX2 without AVX-512 (an AVX2 Zen 3's: AVX2 prompt kernels, portable decode loops),
-    KVEXPORT_I8_PORTABLE without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS with AVX-512 prompt kernels
-    in f32 (an AVX-512 CPU without VNNI and AVX512-BF16), KVEXPORT_I8_NO_BF16 with VNNI scores and f32 weighted values
-    (an AVX-512 CPU with VNNI and without AVX512-BF16)."""
+    share a process): KVEXPORT_I8_AVX2 without AVX-512 (an AVX2 Zen 3's: AVX2 kernels, prompts in int16 pairs),
+    KVEXPORT_I8_PORTABLE without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS with prompt kernels in f32
+    (with AVX-512: an AVX-512 CPU without VNNI and AVX512-BF16; with KVEXPORT_I8_AVX2 too: the AVX2 kernels in f32),
+    KVEXPORT_I8_NO_BF16 with VNNI scores and f32 weighted values (an AVX-512 CPU with VNNI and without AVX512-BF16)."""
     if any(os.environ.get(name) == "1" for name in int8_blocks.VARIANTS):
         pytest.skip("this process already runs another build of the op")
     from kvexport.doctor import read_cpu_flags
 
-    needs = {"KVEXPORT_I8_AVX2": "avx2", "KVEXPORT_I8_F32_PROMPTS": "avx512f", "KVEXPORT_I8_NO_BF16": "avx512_vnni"}
-    if variant in needs and needs[variant] not in read_cpu_flags():
-        pytest.skip(f"this CPU has no {needs[variant]}: its op has no kernels of that build to test")
+    needs = {"KVEXPORT_I8_AVX2": "avx2", "KVEXPORT_I8_F32_PROMPTS": "avx2", "KVEXPORT_I8_NO_BF16": "avx512_vnni"}
+    names = variant.split("+")
+    lacking = [needs[name] for name in names if name in needs and needs[name] not in read_cpu_flags()]
+    if lacking:
+        pytest.skip(f"this CPU has no {lacking[0]}: its op has no kernels of that build to test")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "op_"],
-                          env={**os.environ, variant: "1"}, capture_output=True, text=True, timeout=600)
+                          env={**os.environ, **{name: "1" for name in names}}, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, \
         done.stdout[-3000:] + done.stderr[-3000:]
 

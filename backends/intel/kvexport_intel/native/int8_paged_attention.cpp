@@ -346,6 +346,7 @@ struct V16 {
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F widen(const int8_t* p) { return ::widen(p); }
   static M lanes(int64_t lo, int64_t hi) { return first(hi) & (M)~first(lo); }  // lanes lo <= i < hi
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static F mask_max(F acc, M m, F x) { return _mm512_mask_max_ps(acc, m, acc, x); }
   static F maskz(M m, F x) { return _mm512_maskz_mov_ps(m, x); }
   static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
@@ -362,6 +363,28 @@ using Vec = V16;
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // ---------------------------------------------------------------- AVX2 (compiled where -march=native has it)
+// How the AVX2 prompt kernel multiplies (no VNNI, no bf16 here): in 16-bit integers, vpmaddwd's two products a 32-bit
+// lane (16 a vector: twice a vector FMA's, at the FMA's rate on a Zen 4 limited to 256 bits):
+// - the scores: each query row rounded to int8 (one f32 scale a row, as VNNI's kernel does) against the keys' int8,
+//   both widened to int16 pairs: exact integer dots times the two scales;
+// - the weighted values: each row's weights (softmax times each slot's value scale) over a chunk as int16, 32767 for
+//   the largest (one f32 scale a row and chunk), against the values' int8 widened to int16, slots in pairs: at most
+//   CHUNK x 0.5 / 32767 = 2^-9 of the largest value off at the output (each chunk's error at most that share of its
+//   largest weight, and the softmax's sum at least the chunks' largest weights).
+// On a Zen 4 limited to AVX2, a 4000-token prompt's attention (one layer, 12/4 heads, head_dim 64, two threads) took
+// 124 ms this way against 177 ms in f32 FMAs (docs/backends/intel.md).
+#ifndef KVEXPORT_I8_F32_PROMPTS
+#define I8_QK_I16 1
+#define I8_QK_NAME "int8 (AVX2, int16 pairs)"
+#define I8_PV_I16 1
+#define I8_PV_NAME "int16 (AVX2)"
+#else
+#define I8_QK_I16 0
+#define I8_QK_NAME "f32"
+#define I8_PV_I16 0
+#define I8_PV_NAME "f32"
+#endif
+
 struct V8 {
   using F = __m256;
   using M = __m256;  // all ones in the lanes taken
@@ -369,7 +392,8 @@ struct V8 {
   // 16 registers: two rows' 4 score sums and 4 key vectors; their values 4 vectors (32 values) at a time
   static constexpr int64_t RB(int64_t) { return 2; }
   static constexpr int64_t CS(int64_t NV) { return NV < 4 ? NV : 4; }
-  static constexpr int64_t CHUNK = 64;  // a chunk's keys and values (2 x 64 x D floats) within the L1
+  // a chunk's keys and values within the L1: 2 x 128 x D int16, or 2 x 64 x D floats
+  static constexpr int64_t CHUNK = I8_QK_I16 ? 128 : 64;
   static F load(const float* p) { return _mm256_load_ps(p); }
   static F loadu(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_store_ps(p, x); }
@@ -389,6 +413,7 @@ struct V8 {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(ones_then_zeros + 8 - k));
   }
   static M lanes(int64_t lo, int64_t hi) { return _mm256_andnot_ps(first(lo), first(hi)); }  // lanes lo <= i < hi
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
   static F mask_max(F acc, M m, F x) { return _mm256_blendv_ps(acc, _mm256_max_ps(acc, x), m); }
   static F maskz(M m, F x) { return _mm256_and_ps(m, x); }
   static float reduce_max(F x) {
@@ -409,6 +434,39 @@ struct V8 {
 };
 #define I8_SIMD "AVX2"
 using Vec = V8;
+
+#if I8_QK_I16
+// The scores of NR query rows (int16; rows `row` of q16) over 32 keys (kd: their int16 two a 32-bit lane,
+// kd[d2 * CHUNK + j]), written to sc + i * CHUNK: the products summed, times the key's and the row's scales.
+template <int64_t D2, int64_t CHUNK, int NR>
+inline void scores_i16(const int16_t* q16, const int64_t* row, const int32_t* kd, const float* kscl, const float* qscl,
+                       float* sc) {
+  constexpr int64_t D = 2 * D2;
+  __m256i acc[NR][4];
+  for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm256_setzero_si256();
+  for (int64_t d2 = 0; d2 < D2; d2++) {
+    const __m256i k0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(kd + d2 * CHUNK));
+    const __m256i k1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(kd + d2 * CHUNK + 8));
+    const __m256i k2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(kd + d2 * CHUNK + 16));
+    const __m256i k3 = _mm256_load_si256(reinterpret_cast<const __m256i*>(kd + d2 * CHUNK + 24));
+    for (int i = 0; i < NR; i++) {
+      int32_t two;
+      std::memcpy(&two, q16 + row[i] * D + 2 * d2, 4);
+      const __m256i x = _mm256_set1_epi32(two);
+      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(x, k0));
+      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(x, k1));
+      acc[i][2] = _mm256_add_epi32(acc[i][2], _mm256_madd_epi16(x, k2));
+      acc[i][3] = _mm256_add_epi32(acc[i][3], _mm256_madd_epi16(x, k3));
+    }
+  }
+  for (int i = 0; i < NR; i++) {
+    const __m256 qs = _mm256_set1_ps(qscl[row[i]]);
+    for (int u = 0; u < 4; u++)
+      _mm256_store_ps(sc + i * CHUNK + u * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][u]),
+                                                            _mm256_mul_ps(_mm256_load_ps(kscl + u * 8), qs)));
+  }
+}
+#endif
 #endif
 
 #ifdef I8_SIMD
@@ -537,6 +595,20 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qu + c * 16), _mm512_cvtepi32_epi8(qi));
       }
       qscl[r] = a / 127.f;
+#elif I8_QK_I16
+      // the row as int8 (q ~ qi * qscl[r]), stored as int16
+      __m256 amax = _mm256_setzero_ps();
+      for (int64_t c = 0; c < NV; c++) amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), x[c]));
+      const float a = V::reduce_max(amax);
+      const __m256 inv = _mm256_set1_ps(a > 0.f ? 127.f / a : 0.f);
+      int16_t* q16 = reinterpret_cast<int16_t*>(q) + r * D;
+      for (int64_t c = 0; c < NV; c++) {
+        __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(x[c], inv));  // nearest, ties to even
+        qi = _mm256_max_epi32(_mm256_min_epi32(qi, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q16 + c * 8),
+                         _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1)));
+      }
+      qscl[r] = a / 127.f;
 #else
       for (int64_t c = 0; c < NV; c++) V::store(q + r * D + c * W, x[c]);
 #endif
@@ -581,6 +653,16 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
       for (int64_t d4 = 0; d4 < D4; d4++)
         ksum = _mm512_dpbusd_epi32(ksum, _mm512_set1_epi8(1), _mm512_load_si512(kq + d4 * CHUNK + j0));
       _mm512_store_si512(kcorr + j0, _mm512_slli_epi32(ksum, 7));
+#elif I8_QK_I16
+      for (int64_t c2 = 0; c2 < D / 2; c2 += 8) {  // 8 of a key's D / 2 int16 pairs (16 values) at a time
+        __m256 r[8];
+        for (int64_t e = 0; e < 8; e++)
+          r[e] = krow[e] ? _mm256_castsi256_ps(_mm256_cvtepi8_epi16(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(krow[e] + 2 * c2))))
+                         : _mm256_setzero_ps();
+        transpose8(r);
+        for (int64_t e = 0; e < 8; e++) _mm256_store_ps(kt + (c2 + e) * CHUNK + j0, r[e]);
+      }
 #else
       for (int64_t c = 0; c < NV; c++) {
         F r[W];
@@ -601,6 +683,19 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
           _mm512_store_si512(vp + (j0 + e) / 2 * D + c * 16,
                              _mm512_or_si512(_mm512_srli_epi32(lo, 16),
                                              _mm512_and_si512(hi, _mm512_set1_epi32((int32_t)0xFFFF0000u))));
+        }
+#elif I8_PV_I16
+      // slots j, j + 1 in one 32-bit lane a dimension: vp[j / 2][d] = (int16 v_j[d], int16 v_j+1[d])
+      int32_t* vp = reinterpret_cast<int32_t*>(vf);
+      for (int64_t e = 0; e < 8; e += 2)
+        for (int64_t c = 0; c < D / 16; c++) {
+          const __m128i a = vrow[e] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow[e] + c * 16))
+                                    : _mm_setzero_si128();
+          const __m128i b = vrow[e + 1] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow[e + 1] + c * 16))
+                                        : _mm_setzero_si128();
+          __m256i* dst = reinterpret_cast<__m256i*>(vp + (j0 + e) / 2 * D + c * 16);
+          _mm256_store_si256(dst, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b)));
+          _mm256_store_si256(dst + 1, _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b)));
         }
 #else
       for (int64_t e = 0; e < W; e++)
@@ -634,6 +729,17 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
             scores_vnni<D4, CHUNK, 1>(reinterpret_cast<const uint8_t*>(q), row + i, kd, kcorr + g64 * 64,
                                       kscl + g64 * 64, qscl, sc + i * CHUNK + g64 * 64);
       }
+#elif I8_QK_I16
+      for (int64_t gk = jlo / KG; gk * KG < jhi; gk++) {
+        const int32_t* kd = reinterpret_cast<const int32_t*>(kt) + gk * KG;
+        for (int64_t i = 0; i < RB; i += 2)
+          if (i + 1 < RB)
+            scores_i16<D / 2, CHUNK, 2>(reinterpret_cast<const int16_t*>(q), row + i, kd, kscl + gk * KG, qscl,
+                                        sc + i * CHUNK + gk * KG);
+          else
+            scores_i16<D / 2, CHUNK, 1>(reinterpret_cast<const int16_t*>(q), row + i, kd, kscl + gk * KG, qscl,
+                                        sc + i * CHUNK + gk * KG);
+      }
 #else
       for (int64_t gk = jlo / KG; gk * KG < jhi; gk++) {
         F acc[RB][4];
@@ -662,24 +768,37 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
       // each row's softmax update over the chunk (the slots it does not see count as -inf), and its weights: the
       // softmax times each slot's value scale (bf16, in slot order, where the values are summed in bf16 pairs)
       alignas(64) float corr[RB];
+#if I8_PV_I16
+      float wsc[RB];  // each row's weights' scale (the largest over 32767)
+#endif
       const int64_t vlo = jlo / W, vhi = (jhi + W - 1) / W;  // the W-slot vectors any row sees
       for (int64_t i = 0; i < RB; i++) {
         const int64_t r = r0 + i;
         float* x = sc + i * CHUNK;
+#if I8_PV_I16
+        F wm = V::zero();  // the largest weight (softmax times the value scale)
+#endif
         if (hi[i] <= lo[i]) {  // nothing seen in this chunk (or a padding row)
           for (int64_t v = vlo; v < vhi; v++) V::store(x + v * W, V::zero());
           corr[i] = 1.f;
         } else {
+          // the vectors the row sees whole (fl <= v < fh) take no mask: the masks are the edges'
+          const int64_t fl = (lo[i] + W - 1) / W, fh = hi[i] / W;
           F mx = V::set1(m[r]);
           for (int64_t v = vlo; v < vhi; v++)
-            mx = V::mask_max(mx, V::lanes(lo[i] - v * W, hi[i] - v * W), V::load(x + v * W));
+            mx = v >= fl && v < fh ? V::max(mx, V::load(x + v * W))
+                                   : V::mask_max(mx, V::lanes(lo[i] - v * W, hi[i] - v * W), V::load(x + v * W));
           const float mnew = V::reduce_max(mx);
           const F mv = V::set1(mnew);
           F sum = V::zero();
           for (int64_t v = vlo; v < vhi; v++) {
-            const F e = V::maskz(V::lanes(lo[i] - v * W, hi[i] - v * W), V::exp(V::sub(V::load(x + v * W), mv)));
-            V::store(x + v * W, e);
-            sum = V::add(sum, e);
+            const F e = V::exp(V::sub(V::load(x + v * W), mv));
+            const F seen = v >= fl && v < fh ? e : V::maskz(V::lanes(lo[i] - v * W, hi[i] - v * W), e);
+            V::store(x + v * W, seen);
+            sum = V::add(sum, seen);
+#if I8_PV_I16
+            wm = V::max(wm, V::mul(seen, V::load(vscl + v * W)));
+#endif
           }
           // e^(m - mnew) for the sums so far (0 where nothing was seen before: m = -inf, clamped by the exp)
           corr[i] = V::lane0(V::exp(V::set1(m[r] - mnew)));
@@ -692,11 +811,45 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
           _mm256_store_si256(reinterpret_cast<__m256i*>(w + v * 16),
                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(x + v * 16),
                                                                        _mm512_load_ps(vscl + v * 16))));
+#elif I8_PV_I16
+        const float wmax = V::reduce_max(wm);
+        const __m256 winv = _mm256_set1_ps(wmax > 0.f ? 32767.f / wmax : 0.f);
+        wsc[i] = wmax / 32767.f;
+        int16_t* w = reinterpret_cast<int16_t*>(wt + i * CHUNK);
+        for (int64_t v = vlo; v < vhi; v++) {
+          const __m256i wi = _mm256_cvtps_epi32(
+              _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(x + v * 8), _mm256_load_ps(vscl + v * 8)), winv));
+          _mm_store_si128(reinterpret_cast<__m128i*>(w + v * 8),
+                          _mm_packs_epi32(_mm256_castsi256_si128(wi), _mm256_extracti128_si256(wi, 1)));
+        }
 #endif
       }
       // the RB rows' values together: each value vector loaded once, RB x NV accumulators
       // the RB rows' values together, CS vectors of each at a time (all of them with 32 registers): each value vector
       // loaded once for the RB rows, RB x CS sums
+#if I8_PV_I16
+      for (int64_t c0 = 0; c0 < NV; c0 += CS) {
+        __m256i acc[RB][CS];
+        for (int64_t i = 0; i < RB; i++)
+          for (int64_t c = 0; c < CS; c++) acc[i][c] = _mm256_setzero_si256();
+        const int32_t* vp = reinterpret_cast<const int32_t*>(vf) + c0 * W;
+        for (int64_t pair = vlo * 4; pair < vhi * 4; pair++) {  // slots 2 pair, 2 pair + 1
+          __m256i v[CS];
+          for (int64_t c = 0; c < CS; c++) v[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(vp + pair * D + c * 8));
+          for (int64_t i = 0; i < RB; i++) {
+            const __m256i w = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(wt + i * CHUNK)[pair]);
+            for (int64_t c = 0; c < CS; c++) acc[i][c] = _mm256_add_epi32(acc[i][c], _mm256_madd_epi16(w, v[c]));
+          }
+        }
+        for (int64_t i = 0; i < RB; i++)
+          for (int64_t c = 0; c < CS; c++)
+            if (i < nr) {
+              float* orow = o + (r0 + i) * D + (c0 + c) * W;
+              _mm256_store_ps(orow, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][c]), _mm256_set1_ps(wsc[i]),
+                                                    _mm256_mul_ps(_mm256_load_ps(orow), _mm256_set1_ps(corr[i]))));
+            }
+      }
+#else
       for (int64_t c0 = 0; c0 < NV; c0 += CS) {
         F acc[RB][CS];
 #pragma GCC unroll 6
@@ -739,6 +892,7 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
           for (int64_t c = 0; c < CS; c++)
             if (i < nr) V::store(o + (r0 + i) * D + (c0 + c) * W, acc[i][c]);
       }
+#endif
     }
   }
   for (int64_t t = t0; t < t1; t++)
@@ -963,7 +1117,7 @@ extern "C" const char* kvexport_i8_kernels(int64_t head_dim) {
     return "decode: AVX-512 f32; prompts: AVX-512, scores " I8_QK_NAME ", weighted values " I8_PV_NAME;
 #elif defined(I8_SIMD)
   if (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128)
-    return "decode: " I8_SIMD " f32; prompts: " I8_SIMD " f32";
+    return "decode: " I8_SIMD " f32; prompts: " I8_SIMD ", scores " I8_QK_NAME ", weighted values " I8_PV_NAME;
 #endif
   (void)head_dim;
   return "decode: portable f32; prompts: portable f32";
