@@ -36,8 +36,10 @@ OPTIONS = (
            "built", choices=KV_PRECISIONS, phase="load"),
     Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
            phase="load"),
-    Option("batch_rows", "str", "paged", "how the serving scheduler batches requests: paged (OpenVINO paged "
-           "attention, every row in one infer per decode step) or state (one InferRequest per row, stepped in turn)",
+    Option("batch_rows", "str", "paged", "how batches run, the serving scheduler's rows and a batch of prompts given "
+           "to generate: paged (OpenVINO paged attention, every row in one infer per decode step, a row's padding not "
+           "held) or state (the scheduler's rows one InferRequest each, stepped in turn; a batch of prompts one "
+           "stateful call, left-padded)",
            choices=("paged", "state"), phase="load"),
     Option("paged_compile", "str", "load", "when the paged-attention form that long prompts and batched rows run is "
            "compiled: at load (where the engine holds a prompt of paged_prefill_min tokens; the load takes longer) "

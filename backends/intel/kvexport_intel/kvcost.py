@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from kvexport.errors import InputError
 from kvexport_intel.session import IntelSession
 
 
@@ -53,7 +54,8 @@ def kv_precision_cost(reference: Callable[[], IntelSession], lossy: Callable[[],
 def state_rss_growth(session: IntelSession, *, batch: int = 128, tokens: int = 120) -> dict[str, Any]:
     """Process RSS growth while `batch` rows fill the state one token at a time: what the plugin's
     state buffers occupy (spare capacity included), measured. Run it in a fresh process with one
-    session: each step's activations are tiny, so the growth is the state's."""
+    session loaded with batch_rows=state (else a batch is paged and the state holds nothing): each
+    step's activations are tiny, so the growth is the state's."""
     import psutil
 
     proc = psutil.Process()
@@ -65,6 +67,10 @@ def state_rss_growth(session: IntelSession, *, batch: int = 128, tokens: int = 1
     session.release(warm)
     state = session.new_state(batch, tokens)
     session.step(state, 5 * ones, 0 * ones, np.ones((batch, 1, 1, 1), bool))
+    if state.rows is not None:
+        session.release(state)
+        raise InputError("this session pages a batch's rows, so its state holds nothing to measure: load the "
+                         "artifact with batch_rows=state")
     rss0 = proc.memory_info().rss
     for t in range(1, tokens):
         session.step(state, 7 * ones, t * ones, np.ones((batch, 1, 1, t + 1), bool))

@@ -354,6 +354,14 @@ class PagedRows(Rows):
         logits = self._run(np.array([row]), np.asarray(ids), np.array([S]))
         return logits[-1]
 
+    def prompts(self, ids: list[np.ndarray]) -> np.ndarray:
+        """Append ids[r] to row r, every row at once, in one infer (a batch's prompts, each its own length);
+        returns each row's last token's logits (rows, V), a view that the next call overwrites."""
+        counts = np.array([len(r) for r in ids], dtype=np.int64)
+        for r, n in enumerate(counts):
+            self._check(r, int(n))
+        return self._run(np.arange(len(ids)), np.concatenate([np.asarray(r) for r in ids]), counts)
+
     def decode(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
         for r in rows:

@@ -35,7 +35,10 @@ LOSSLESS_KV = ("f32", "bf16")
 # cache reused, 14.6 against 15.8 ms (bench-125m). Against OpenVINO GenAI (which runs paged attention itself) on
 # bench-1b, bf16, five rounds: int4 g128 decode 1.14x / 1.10x paged against 0.99x / 0.98x stateful, int8 1.10x / 1.08x
 # against 0.98x / 1.07x; a second run, paged: int4 0.98x / 1.07x, int8 1.07x / 1.04x (docs/performance.md). So every
-# prompt (1); batches, rings and models without a paged form keep the stateful call.
+# prompt (1). A fresh batch of left-padded prompts is paged too (the load option batch_rows=paged, the default): a row
+# each in one block cache, without its padding; with four rows (bench-125m int4 g32, f32 activations, Zen 4) decode
+# steps took 0.81-0.85x the stateful call's time and TTFT at 512 0.70-0.95x (docs/backends/intel.md). Rings, models
+# without a paged form and batches under batch_rows=state keep the stateful call.
 # At a 4096-token context the paged decode step had taken 0.81x the stateful one's time (per-step median of 40
 # interleaved steps, bench-125m, Zen 3, load ~7; with u8 caches 0.92x at load ~1.9), and handing the blocks over cost ~0.7 s plus
 # a first stateful step of ~1.1 s at load ~7 (0.23-0.29 s and 0.12-0.14 s at load ~1.9; the plugin grows a state sized
@@ -84,8 +87,11 @@ class IntelState:
     beam_idx: np.ndarray | None = None  # (B,) int32 identity: rows are never reordered
     run_seconds: float = 0.0
     steps: int = 0
-    rows: Any = None  # a long prompt's PagedRows while its request decodes paged; None: the state holds it
-    ids: list[int] | None = None  # the tokens a paged u8 request holds, to re-run them into the state on a hand-over
+    rows: Any = None  # the request's PagedRows (a row each) while it decodes paged; None: the state holds it
+    pads: np.ndarray | None = None  # (B,) each paged row's left padding: the slots of the batch it does not hold
+    # the tokens each row of a paged request holds, to re-run them into the state on a hand-over (quantized blocks,
+    # or a batch: _hand_over)
+    ids: list[list[int]] | None = None
 
 
 class IntelSession(Session):
@@ -141,9 +147,9 @@ class IntelSession(Session):
         return self._prompts_from(min_tokens, None)
 
     def batch_row_path(self) -> AbstractContextManager[Any]:
-        if self.ring is not None or not self.state_names:
-            return nullcontext()  # every prompt takes the stateful call, as a batch's does
-        return self._prompts_from(self.limit + 1, STATE_PATH)  # a batch's prompt takes the state's path
+        if self.ring is not None or not self.state_names or self.batch_rows == "paged":
+            return nullcontext()  # a batch's prompt takes a lone row's path (both paged, or both the state's)
+        return self._prompts_from(self.limit + 1, STATE_PATH)  # batch_rows=state: a batch's prompt takes the state's
 
     @contextmanager
     def _prompts_from(self, min_tokens: int, path: str | None) -> Iterator[dict[str, Any]]:
@@ -254,7 +260,7 @@ class IntelSession(Session):
             return
         if state.rows is not None:
             self._give_back(state.rows)
-            state.rows, state.ids = None, None
+            state.rows, state.ids, state.pads = None, None, None
         state.request.reset_state()  # frees the state buffers' contents before reuse
         with self._lock:
             self._pool.append(state.request)
@@ -268,7 +274,7 @@ class IntelSession(Session):
         if state.request is None:
             return 0
         if state.rows is not None:  # a paged request: the f32 bytes of the slots held, as the state would report them
-            return 2 * self.num_layers * self.kv_heads * self.head_dim * 4 * state.slots
+            return 2 * self.num_layers * self.kv_heads * self.head_dim * 4 * int(state.rows.held.sum())
         return sum(int(v.state.byte_size) for v in state.request.query_state())
 
     def cache_bytes(self, state: IntelState) -> int | None:
@@ -276,7 +282,7 @@ class IntelSession(Session):
             # a paged request's blocks are buffers this session allocated in the cache's own type (a u8 block holds
             # its scales and zero points too): their bytes per slot, for the slots held
             rows = state.rows
-            return sum(c.nbytes for c in rows.caches) * state.slots // (rows.num_blocks * rows.block)
+            return sum(c.nbytes for c in rows.caches) * int(rows.held.sum()) // (rows.num_blocks * rows.block)
         if self.facts.get("kv_precision", "f32") != "f32":
             return None  # query_state shows the dequantized f32 view, not what is stored
         return self.state_bytes(state)
@@ -313,10 +319,11 @@ class IntelSession(Session):
             raise InputError(f"attention_mask has shape {attention_mask.shape}; this state holds {state.slots} slots, "
                              f"so a step of {S} tokens needs (B, 1, S, T+S) = {(B, 1, S, total)}")
         if state.rows is not None:
-            if _causal_run(position_ids, attention_mask, T):
+            if _padded_causal(position_ids, attention_mask, T, state.pads) is not None:
                 return self._paged_step(state, input_ids)
             self._hand_over(state)  # a step paged attention cannot take (a hidden slot): the state takes over
-        if T == 0 and B == 1 and S >= self.paged_prefill_min and self.ring is None and self.state_names:
+        if (T == 0 and S >= self.paged_prefill_min and self.ring is None and self.state_names
+                and (B == 1 or self.batch_rows == "paged")):
             logits = self._paged_prefill(state, input_ids, position_ids, attention_mask)
             if logits is not None:
                 return logits
@@ -341,25 +348,33 @@ class IntelSession(Session):
 
     def _paged_prefill(self, state: IntelState, input_ids: np.ndarray, position_ids: np.ndarray,
                        attention_mask: np.ndarray) -> np.ndarray | None:
-        """A fresh request's one-row prompt through the paged-attention form (paged_prefill_min): the request keeps
-        its blocks, in the engine's cache precision, and decodes paged (state.rows). None (nothing done) where the
-        prompt is not a plain causal run from position 0 or this engine has no paged form (the reason goes to
-        facts["long_prefill"])."""
-        S = input_ids.shape[1]
-        if not _causal_run(position_ids, attention_mask, 0):
+        """A fresh request's prompt (paged_prefill_min), one row or a batch of left-padded rows, through the
+        paged-attention form: the request keeps its blocks, in the engine's cache precision, a row each without its
+        padding, and decodes paged (state.rows). None (nothing done) where a row is not a plain causal run from
+        position 0 after its padding, or this engine has no paged form (the reason goes to facts["long_prefill"])."""
+        B, S = input_ids.shape
+        pads = _padded_causal(position_ids, attention_mask, 0, None)
+        if pads is None:
             return None
         compiled, why = self.prefill_model()
         self.facts["long_prefill"] = f"one stateful call: {why}" if why is not None else "paged attention, decode paged"
         if compiled is None:
             return None
+        from kvexport_intel.paged import PagedRows
+
         t0 = time.perf_counter()
-        state.rows = self._one_row(compiled)
-        logits = state.rows.extend(0, input_ids[0])[None]  # (1, vocab), a view of the request's output as _step's
+        if B == 1:
+            state.rows = self._one_row(compiled)
+            logits = state.rows.extend(0, input_ids[0])[None]  # (1, vocab), a view of the request's output as _step's
+        else:  # the rows' prompts without their padding, in one infer: (B, vocab), each row's last token
+            state.rows = PagedRows(compiled, rows=B, max_seq=self.limit, num_layers=self.num_layers,
+                                   vocab_size=self.vocab_size)
+            logits = state.rows.prompts([row[pad:] for row, pad in zip(input_ids, pads)])
         state.run_seconds += time.perf_counter() - t0
         state.steps += 1
-        state.slots = S
-        if self._quantized_blocks():
-            state.ids = [int(t) for t in input_ids[0]]
+        state.slots, state.pads = S, pads
+        if B > 1 or self._quantized_blocks():
+            state.ids = [[int(t) for t in row[pad:]] for row, pad in zip(input_ids, pads)]
         return logits
 
     def _one_row(self, compiled: Any) -> Any:
@@ -374,19 +389,30 @@ class IntelSession(Session):
         return PagedRows(compiled, rows=1, max_seq=self.limit, num_layers=self.num_layers, vocab_size=self.vocab_size)
 
     def _give_back(self, rows: Any) -> None:
+        if rows.rows != 1:  # a batch's: its block cache is not kept (a batch of another size would not fit it)
+            rows.release()
+            return
         rows.free(0)
         with self._lock:
             self._row_pool.append(rows)
 
     def _paged_step(self, state: IntelState, input_ids: np.ndarray) -> np.ndarray:
-        """The next tokens of a request that decodes paged: appended to its blocks; (1, vocab) logits."""
+        """The next tokens of a request that decodes paged, the same number a row: appended to its blocks;
+        (B, vocab) logits."""
         t0 = time.perf_counter()
-        logits = state.rows.extend(0, input_ids[0])[None]  # a view of the request's output: as _step's
+        B, S = input_ids.shape
+        if B == 1:
+            logits = state.rows.extend(0, input_ids[0])[None]  # a view of the request's output: as _step's
+        elif S == 1:
+            logits = state.rows.decode(np.arange(B), input_ids[:, 0])
+        else:
+            logits = state.rows.prompts(list(input_ids))
         state.run_seconds += time.perf_counter() - t0
         if state.ids is not None:
-            state.ids.extend(int(t) for t in input_ids[0])
+            for held, row in zip(state.ids, input_ids):
+                held.extend(int(t) for t in row)
         state.steps += 1
-        state.slots += input_ids.shape[1]
+        state.slots += S
         return logits
 
     def _quantized_blocks(self) -> bool:
@@ -397,23 +423,31 @@ class IntelSession(Session):
 
     def _hand_over(self, state: IntelState) -> None:
         """Move a paged request into its state variables and free its blocks: the state holds the request now.
-        f32/f16/bf16 blocks are read back exactly and copied in (the state stores them in the same type). u8 blocks
-        are not read back: their layout is the plugin's own and undocumented (the state does not expose its own
-        either: query_state hands back f32), and dequantizing them for the state to quantize again would round
-        them twice. The request's tokens are re-run instead, through one stateful call, so the state holds
-        exactly what a request that never went paged would hold (a prefill's time, on a step that is rare: one
-        that hides a held slot)."""
+        One row's f32/f16/bf16 blocks are read back exactly and copied in (the state stores them in the same type).
+        u8 and i8 blocks are not read back: u8's layout is the plugin's own and undocumented (the state does not
+        expose its own either: query_state hands back f32), and dequantizing either for the state to quantize again
+        would round them twice. Nor are a batch's, whose rows hold no padding that the state's rows have. The
+        request's tokens are re-run instead, through one stateful call laid out as the batch's prompt was (each
+        row's padding first), so the state holds exactly what a request that never went paged would hold (a
+        prefill's time, on a step that is rare: one that hides a held slot)."""
         import openvino as ov
 
         t0 = time.perf_counter()
         rows, S = state.rows, state.slots
         if state.ids is not None:
-            ids = np.array([state.ids], dtype=np.int64)
+            assert state.pads is not None
+            pads = state.pads
+            ids = np.zeros((state.batch, S), dtype=np.int64)
+            for b, held in enumerate(state.ids):
+                ids[b, pads[b]:] = held
             self._give_back(rows)
-            state.rows, state.ids, state.slots = None, None, 0
+            state.rows, state.ids, state.pads, state.slots = None, None, None, 0
             state.request.reset_state()
             i = np.arange(S)
-            self._step(state, ids, i[None], (i[None, :] <= i[:, None])[None, None])
+            valid = i[None, :] >= pads[:, None]
+            mask = (i[None, None, :] <= i[None, :, None]) & valid[:, None, :]
+            mask[:, i, i] |= ~valid  # a pad query sees itself only, as Engine.prefill lays a batch out
+            self._step(state, ids, np.maximum(i[None, :] - pads[:, None], 0), mask[:, None])
             return
         blocks = np.asarray(rows.tables[0])
         # a fresh request's blocks come off the free list in order: a view of them, not a gathered copy
@@ -426,16 +460,31 @@ class IntelSession(Session):
             kv = np.ascontiguousarray(kv, dtype=np.float32)  # f16 blocks: exact in f32, stored as f16 again
             variables[name].state = ov.Tensor(kv)  # the plugin copies it
         self._give_back(rows)
-        state.rows = None
+        state.rows, state.pads = None, None
         state.run_seconds += time.perf_counter() - t0
 
 
-def _causal_run(position_ids: np.ndarray, attention_mask: np.ndarray, past: int) -> bool:
-    """Whether a batch-1 step is what paged attention computes: positions past, past + 1, ... and each new token
-    seeing every held slot and the new tokens up to itself."""
-    S = position_ids.shape[1]
-    if not np.array_equal(position_ids[0], np.arange(past, past + S)):
-        return False
-    mask = attention_mask[0, 0]
-    return bool(mask[:, :past].all()) and np.array_equal(mask[:, past:], np.tri(S, dtype=bool))
-
+def _padded_causal(position_ids: np.ndarray, attention_mask: np.ndarray, past: int,
+                   pads: np.ndarray | None) -> np.ndarray | None:
+    """Each row's left padding where a step is what paged attention computes over the rows' own tokens (None where
+    it is not): row b's positions past - pads[b], ... and each of its new tokens seeing the row's held slots after
+    its padding and its new tokens up to itself. A fresh prompt (pads None) finds each row's padding: the slots
+    before its first position 0, seen by no token after them (Engine.prefill's layout: a pad query sees itself)."""
+    B, S = position_ids.shape
+    if pads is None:
+        if past:
+            return None
+        leading = (np.cumsum(position_ids != 0, axis=1) == 0).sum(axis=1)  # each row's leading position-0 slots
+        pads = np.maximum(leading - 1, 0).astype(np.int64)
+    tri = np.tri(S, dtype=bool)
+    for b in range(B):
+        pad = int(pads[b])
+        rows = slice(max(pad - past, 0), S)  # a fresh prompt's pad queries are not the row's: they are dropped
+        n = S - rows.start
+        if n < 1 or not np.array_equal(position_ids[b, rows], np.arange(past + rows.start - pad, past + S - pad)):
+            return None
+        mask = attention_mask[b, 0, rows]
+        if mask[:, :pad].any() or not mask[:, pad:past].all() or not np.array_equal(mask[:, past + rows.start:],
+                                                                                    tri[:n, :n]):
+            return None
+    return pads

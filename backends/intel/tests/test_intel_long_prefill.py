@@ -1,6 +1,6 @@
-"""A long batch-1 prompt on the intel target is prefilled through the engine's paged-attention form (the load option
-paged_prefill_min, kvexport_intel.session.PAGED_PREFILL_MIN by default) and the request keeps decoding paged, its
-blocks in the engine's cache precision. The logits and greedy tokens are the stateful path's with f32 and f16 caches;
+"""A long prompt on the intel target, one row or a left-padded batch, is prefilled through the engine's
+paged-attention form (the load option paged_prefill_min, kvexport_intel.session.PAGED_PREFILL_MIN by default) and the
+request keeps decoding paged, its blocks in the engine's cache precision (a batch's: a row each, without its padding). The logits and greedy tokens are the stateful path's with f32 and f16 caches;
 a u8 cache's blocks are quantized by paged attention's own scheme, so its logits are close to the stateful u8 path's
 and the f32 engine's, within the u8 cache's tolerance row. The cache continues as the prompt would (decode steps and
 later chunks), and a step paged attention cannot take moves the request to the state with the stateful path's
@@ -136,16 +136,18 @@ def test_paged_prefill_cache_continues(intel_artifacts: dict) -> None:
     assert gap <= tolerance("intel", "fp32").max_abs_logit, gap
 
 
-def test_batches_and_short_prompts_keep_the_stateful_call(intel_artifacts: dict) -> None:
-    """A left-padded batch and a prompt under the threshold never reach the paged form."""
+def test_short_prompts_and_state_batches_keep_the_stateful_call(intel_artifacts: dict) -> None:
+    """A prompt under the threshold, one row or a batch, never reaches the paged form, nor does a left-padded batch
+    under batch_rows=state (by default a batch is paged as a lone row is)."""
     _, art = intel_artifacts["llama"]
-    engine = load(art)
-    engine.session.prefill_model = None  # type: ignore[assignment]  # calling it would raise
-    b = engine.prefill([prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 7, 2)], 1)
-    engine.session.release(b.state)
-    b = engine.prefill(prompt_ids(THRESHOLD - 1, 3), 1)
-    engine.session.release(b.state)
-    assert "long_prefill" not in engine.session.facts
+    for engine, prompts in ((load(art, batch_rows="state"), [prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 7, 2)]),
+                            (load(art), [prompt_ids(THRESHOLD - 1, 1), prompt_ids(THRESHOLD - 9, 2)]),
+                            (load(art), prompt_ids(THRESHOLD - 1, 3))):
+        engine.session.prefill_model = None  # type: ignore[assignment]  # calling it would raise
+        b = engine.prefill(prompts, 1)
+        assert b.state.rows is None
+        engine.session.release(b.state)
+        assert "long_prefill" not in engine.session.facts
 
 
 def test_paged_prefill_min_is_a_load_option(intel_artifacts: dict) -> None:
@@ -188,29 +190,113 @@ def test_a_finished_paged_request_leaves_its_block_cache_to_the_next(intel_artif
     engine.session.release(b3.state)
 
 
-def test_a_lone_row_takes_the_batchs_path_under_batch_row_path(intel_artifacts: dict) -> None:
-    """A batch's prompt runs the fused attention with state and a lone row's is paged by default; under
-    Session.batch_row_path (verify's batch-independence check) the lone row takes the state's path, and so computes
-    the same logits as its row of the batch, step after step; the default comes back after the context."""
-    _, art = intel_artifacts["llama"]
-    engine = kvexport.load(str(art), precision="fp32")
-    rows = [prompt_ids(n, seed=n) for n in (5, 17)]
-    together = engine.prefill(rows, 3)
-    assert together.state.rows is None  # the batch: the state's path
+def batch_and_rows_alone(engine: kvexport.runtime.engine.Engine, rows: list[list[int]],
+                         steps: int = 3) -> tuple[kvexport.runtime.engine.Batch, list[np.ndarray], list[list[np.ndarray]]]:
+    """The rows as one batch (greedy, `steps` decode steps; its state released) and each row alone under
+    Session.batch_row_path, fed the tokens the batch fed it: (the batch, its logits by step, each row's)."""
+    together = engine.prefill(rows, steps)
     tog = [together.logits.copy()]
-    tog.append(engine.decode(together, tog[-1].argmax(-1)).copy())
+    for _ in range(steps):
+        tog.append(engine.decode(together, tog[-1].argmax(-1)).copy())
     engine.session.release(together.state)
+    alone = []
     for i, row in enumerate(rows):
         with engine.session.batch_row_path():
-            alone = engine.prefill(row, 3)
-        assert alone.state.rows is None
-        got = [alone.logits[0].copy(), engine.decode(alone, np.array([tog[0][i].argmax()]))[0].copy()]
-        engine.session.release(alone.state)
+            b = engine.prefill(row, steps)
+        got = [b.logits[0].copy()]
+        for k in range(steps):
+            got.append(engine.decode(b, np.array([tog[k][i].argmax()]))[0].copy())
+        engine.session.release(b.state)
+        alone.append(got)
+    return together, tog, alone
+
+
+def test_a_batch_is_paged_a_row_each_without_its_padding(intel_artifacts: dict) -> None:
+    """A batch's prompts are paged as a lone row's are: one block cache of a row each, holding the row's own tokens
+    (not the batch's left padding), and every row decodes as it does alone (batch_row_path is a no-op); the cache
+    bytes count the rows' own slots."""
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art), precision="fp32")
+    rows = [prompt_ids(n, seed=n) for n in (5, 17, 1)]
+    together, tog, alone = batch_and_rows_alone(engine, rows)
+    assert together.state.rows is None  # released
+    b = engine.prefill(rows, 2)
+    s = b.state
+    assert s.rows is not None and s.rows.rows == 3 and s.pads.tolist() == [12, 0, 16]
+    assert s.rows.held.tolist() == [5, 17, 1]
+    engine.decode(b, b.logits.argmax(-1))
+    assert s.rows.held.tolist() == [6, 18, 2] and s.slots == 18
+    per_slot = sum(c.nbytes for c in s.rows.caches) // (s.rows.num_blocks * s.rows.block)
+    assert engine.session.cache_bytes(s) == per_slot * 26
+    engine.session.release(b.state)
+    for i, got in enumerate(alone):
+        for a, t in zip(got, tog):
+            np.testing.assert_allclose(a, t[i], atol=1e-4 * float(np.abs(t[i]).max()))
+
+
+def test_a_lone_row_takes_the_batchs_path_under_batch_row_path(intel_artifacts: dict) -> None:
+    """With batch_rows=state a batch's prompt runs the fused attention with state and a lone row's is paged by
+    default; under Session.batch_row_path (verify's batch-independence check) the lone row takes the state's path,
+    and so computes the same logits as its row of the batch, step after step; the default comes back after the
+    context."""
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art), precision="fp32", batch_rows="state")
+    rows = [prompt_ids(n, seed=n) for n in (5, 17)]
+    b = engine.prefill(rows, 1)
+    assert b.state.rows is None  # the batch: the state's path
+    engine.session.release(b.state)
+    _, tog, alone = batch_and_rows_alone(engine, rows, steps=1)
+    for i, got in enumerate(alone):
         for a, t in zip(got, tog):
             np.testing.assert_allclose(a, t[i], atol=1e-4 * float(np.abs(t[i]).max()))
     paged = engine.prefill(rows[1], 1)
     assert paged.state.rows is not None  # outside the context a lone row is paged again
     engine.session.release(paged.state)
+
+
+@pytest.mark.parametrize("kv", ["f32", "u8"])
+def test_a_paged_batch_hands_over_to_the_state(intel_artifacts: dict, kv: str) -> None:
+    """Steps a paged batch can take (one token a row, then several) stay paged; a step that hides a held slot moves
+    the batch to the state, re-run as its prompt was laid out, and it computes what a batch that was never paged
+    computes for that step (batch_rows=state), within the cache's rounding."""
+    _, art = intel_artifacts["llama"]
+    paged, state = (kvexport.load(str(art), precision="fp32", kv_precision=kv, batch_rows=rows)
+                    for rows in ("paged", "state"))
+    rows = [prompt_ids(n, seed=n + 1) for n in (9, 20)]
+    out = []
+    for engine in (paged, state):
+        b = engine.prefill(rows, 6)
+        steps = [b.logits.copy(), engine.decode(b, np.array([7, 8])).copy()]
+        s, T = b.state, b.slots
+        i = np.arange(3)
+        pos = (T - b.pad)[:, None] + i[None, :]
+        mask = np.concatenate([np.broadcast_to(b.valid[:, None, :T], (2, 3, T)),
+                               np.broadcast_to(np.tri(3, dtype=bool), (2, 3, 3))], axis=2)
+        steps.append(engine.session.step(s, np.array([[9, 10, 11], [12, 13, 14]]), pos, mask[:, None])[:].copy())
+        assert (s.rows is not None) == (engine is paged)  # a chunk of three tokens a row: still paged
+        hidden = np.concatenate([b.valid[:, :T], np.ones((2, 4), bool)], axis=1)  # the three, and the new token
+        T += 3
+        hidden[1, T - 1] = False  # row 1 no longer sees its last token
+        steps.append(engine.session.step(s, np.array([[15], [16]]), (T - b.pad)[:, None], hidden[:, None, None])[:].copy())
+        assert s.rows is None and s.slots == T + 1  # the state holds the batch now
+        engine.session.release(s)
+        out.append(steps)
+    atol = 1e-4 if kv == "f32" else 0.5  # u8: paged blocks and the state round alike but not identically
+    for got, ref in zip(*out):
+        np.testing.assert_allclose(got, ref, atol=atol * float(np.abs(ref).max()))
+
+
+def test_an_i8_batch_holds_i8_blocks(intel_artifacts: dict) -> None:
+    """An i8 engine's batch holds kvexport's int8 blocks (one scale a token and KV head), not OpenVINO's u8 state."""
+    from kvexport_intel import int8_blocks
+
+    _, art = intel_artifacts["llama"]
+    engine = kvexport.load(str(art), precision="fp32", kv_precision="i8")
+    b = engine.prefill([prompt_ids(n, seed=n) for n in (3, 11)], 2)
+    s = engine.session
+    assert b.state.rows is not None and {c.dtype for c in b.state.rows.caches} == {np.dtype(np.int8)}
+    assert s.cache_bytes(b.state) == s.num_layers * int8_blocks.slot_bytes(s.kv_heads, s.head_dim) * 14
+    s.release(b.state)
 
 
 def stateful_bytes(engine: kvexport.runtime.engine.Engine, ids: list[int]) -> int:

@@ -19,7 +19,7 @@ pytest.importorskip("openvino", reason="the intel target needs openvino (pip ins
 
 def test_reported_state_bytes_grow_with_the_tokens_held(intel_artifacts: dict) -> None:
     _, art = intel_artifacts["llama"]
-    engine = kvexport.load(str(art), kv_precision="f32", precision="fp32")
+    engine = kvexport.load(str(art), kv_precision="f32", precision="fp32", batch_rows="state")  # a batch in the state
     cfg = engine.config
     per_token_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     batch = engine.prefill([[5, 6, 7, 8, 9], [4, 4]], 20)
@@ -37,7 +37,7 @@ def _rss_growth(art: Path, kv: str) -> dict:
     """state_rss_growth in a fresh process (one session, nothing else allocated in between)."""
     code = ("import json, sys, kvexport\n"
             "from kvexport_intel.kvcost import state_rss_growth\n"
-            f"e = kvexport.load({str(art)!r}, kv_precision={kv!r}, precision='fp32')\n"
+            f"e = kvexport.load({str(art)!r}, kv_precision={kv!r}, precision='fp32', batch_rows='state')\n"
             "print(json.dumps(state_rss_growth(e.session, batch=128, tokens=120)))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONWARNINGS": "ignore"})
