@@ -1,6 +1,7 @@
 """The one precision vocabulary (--weights/--group-size/--kv/auto) and the one --option parser, in core."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -135,6 +136,27 @@ def test_declared_options_are_typed_defaulted_and_checked() -> None:
     with pytest.raises(InputError, match="option mode is one of a, b, not 'c'"):
         parse_options(declared, {"mode": "c"}, target="toy", phase="build")
     assert parse_options(declared, {"graphs": "off"}, target="toy", phase="load") == {"graphs": False}
+
+
+def test_load_options_are_checked_by_core_for_every_target() -> None:
+    """Backend.load's options: the declared load ones typed, threads where the target takes a thread count,
+    no_rebuild kept where loading may rebuild and dropped where it never does (it holds already), anything else
+    refused with what the target takes."""
+    toy = Toy()
+    assert toy.load_options({"graphs": "on", "threads": None, "no_rebuild": True}) == {"graphs": True}
+    assert toy.load_options({"threads": 4}) == {"threads": 4}
+    with pytest.raises(InputError, match=r"unknown cpu load options \['fast'\]; the cpu target takes threads \(int\)"):
+        toy.load_options({"fast": True})  # a build option, not a load one
+    with pytest.raises(InputError, match="option graphs is true or false"):
+        toy.load_options({"graphs": "maybe"})
+
+    class Rebuilds(Toy):
+        def capabilities(self) -> Capabilities:
+            return dataclasses.replace(super().capabilities(), rebuilds_at_load=True, threads_option=False)
+
+    assert Rebuilds().load_options({"no_rebuild": True, "threads": None}) == {"no_rebuild": True}
+    with pytest.raises(InputError, match="sets no thread count"):
+        Rebuilds().load_options({"threads": 2})
 
 
 def test_cli_refuses_bad_modes_before_any_export(tmp_path: Path) -> None:

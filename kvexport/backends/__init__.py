@@ -189,12 +189,34 @@ class Backend(ABC):
         from kvexport.artifact import check_integrity
 
         check_integrity(Path(folder), manifest)
+        return self.open_session(Path(folder), manifest, **self.load_options(options))
+
+    def load_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The load options given (kvexport.load's keywords, `--option` and the CLI's flags) checked against what
+        the target declares for loading, typed; unknown names list what it takes. Core's own: threads (where the
+        target takes a thread count), no_rebuild (dropped where loading never rebuilds: it holds already) and
+        progress (where an engine may be built at first load)."""
         caps = self.capabilities()
-        if not caps.rebuilds_at_load:  # this engine is never rebuilt at load: no_rebuild holds already
-            options = {k: v for k, v in options.items() if k != "no_rebuild"}
+        given = dict(options)
+        if not caps.rebuilds_at_load:
+            given.pop("no_rebuild", None)
+        if given.get("threads") is None:
+            given.pop("threads", None)  # kvexport.load passes threads=None when not asked
+        elif not caps.threads_option:
+            raise InputError(f"the {self.name} target sets no thread count (it runs on {', '.join(caps.devices)}): "
+                             "drop threads / --threads")
         declared = {o.name: o for o in caps.options if o.phase in ("load", "both")}
-        typed = {k: parse_option(declared[k], v) if k in declared else v for k, v in options.items()}
-        return self.open_session(Path(folder), manifest, **typed)
+        core = {"threads": "threads (int): CPU threads"} if caps.threads_option else {}
+        if caps.rebuilds_at_load:
+            core["no_rebuild"] = "no_rebuild (bool): fail instead of rebuilding the engine for this device or SDK"
+        if caps.deferred_build:
+            core["progress"] = "progress (callable): what a build at first load reports to"
+        unknown = sorted(set(given) - set(declared) - set(core))
+        if unknown:
+            takes = [f"{o.name} ({o.kind}, default {o.default!r}): {o.help}" for o in declared.values()]
+            raise InputError(f"unknown {self.name} load options {unknown}; the {self.name} target takes "
+                             + "; ".join([*core.values(), *takes]))
+        return {k: parse_option(declared[k], v) if k in declared else v for k, v in given.items()}
 
     @abstractmethod
     def open_session(self, folder: Path, manifest: Manifest, **options: Any) -> Any:

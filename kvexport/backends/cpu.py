@@ -42,6 +42,12 @@ OPTIONS = (
            choices=QUANTIZERS),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots (past max_seq where every "
            "layer slides); false keeps them full length, on the fused GroupQueryAttention"),
+    Option("huge_pages", "bool", None, "place the engine's weights in huge pages (default: true for int8/int4 "
+           "weights)", phase="load"),
+    Option("native_matmul", "bool", None, "kvexport's quantized matmul where it is built and the CPU runs it "
+           "(default: true)", phase="load"),
+    Option("native_attention", "bool", None, "kvexport's attention over the cache in one-token steps where it is "
+           "built and the CPU runs it (default: true)", phase="load"),
 )
 
 
@@ -255,15 +261,8 @@ class CpuBackend(_Backend):
                    for t in model.graph.initializer)
 
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
-                     huge_pages: Any = None, native_matmul: Any = None, native_attention: Any = None,
-                     **options: Any) -> CpuSession:
-        self.require_available()
-        if options:
-            raise InputError(f"the cpu target takes no options {sorted(options)}; it accepts threads=N, no_rebuild, "
-                             "huge_pages=true|false (default: true for int8/int4 weights), native_matmul=true|false "
-                             "(default: true; kvexport's quantized matmul where it is built and the CPU runs it), "
-                             "native_attention=true|false (default: true; kvexport's attention over the cache in "
-                             "one-token steps, likewise)")
+                     huge_pages: Any = None, native_matmul: Any = None, native_attention: Any = None) -> CpuSession:
+        self.require_available()  # the options are checked and typed by Backend.load (load_options)
         from kvexport import native
 
         qmm = (native.kernel() if native_matmul is None or parse_bool("native_matmul", native_matmul)

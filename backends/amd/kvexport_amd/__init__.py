@@ -19,7 +19,6 @@ OPTIONS = (
     Option("model_dir", "str", None, "read the weights from this checkpoint folder instead of the IR"),
     Option("graphs", "bool", None, "replay the decode step as a HIP/CUDA graph (default: on a GPU)", phase="load"),
 )
-LOAD_OPTIONS = {"graphs", "threads"}
 
 
 class AmdBackend(Backend):
@@ -174,9 +173,6 @@ class AmdBackend(Backend):
         from kvexport_amd import lowering
         from kvexport_amd.session import AotiSession
 
-        unknown = sorted(set(options) - LOAD_OPTIONS)
-        if unknown:
-            raise InputError(f"unknown amd load option(s) {unknown}; supported: {', '.join(sorted(LOAD_OPTIONS))}")
         target = manifest.target
         if not target or target.get("backend") != "amd":
             raise ArtifactError(f"{folder} was not built for the amd target (target: "

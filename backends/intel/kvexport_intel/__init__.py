@@ -290,11 +290,6 @@ class IntelBackend(Backend):
 
         from kvexport_intel import lowering
 
-        unknown = sorted(set(options) - {"kv_precision", "numa_node", "numa_bind", "precision", "batch_rows",
-                                         "paged_prefill_min", "paged_compile", "paged_split"})
-        if unknown:
-            raise InputError(f"the intel target takes threads=N, precision, kv_precision, numa_node, numa_bind, "
-                             f"batch_rows, paged_prefill_min, paged_compile and paged_split; not {unknown}")
         paged_split = parse_bool("paged_split", options.get("paged_split", False))
         paged_min = parse_option(next(o for o in OPTIONS if o.name == "paged_prefill_min"),
                                  options.get("paged_prefill_min"))

@@ -32,6 +32,7 @@ OPTIONS = (
     Option("opt_prefill", "int", None, "the prefill length TensorRT tunes for"),
     Option("workspace_mb", "int", None, "TensorRT builder workspace in MiB"),
     Option("cuda_graph", "bool", True, "replay the decode step as a CUDA graph", phase="load"),
+    Option("device", "int", 0, "the CUDA device the engine runs on", phase="load"),
 )
 
 
@@ -187,11 +188,8 @@ class NvidiaBackend(Backend):
 
     # --- load -------------------------------------------------------------------------------------
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
-                     cuda_graph: bool = True, device: int = 0, progress: Progress | None = None, **options: Any) -> Any:
-        if options:
-            raise InputError(f"unknown nvidia load option(s) {sorted(options)}; supported: no_rebuild, cuda_graph, device")
-        if threads is not None:
-            raise InputError("the nvidia target runs on the GPU and takes no threads option")
+                     cuda_graph: bool = True, device: int = 0, progress: Progress | None = None) -> Any:
+        # the options are checked and typed by Backend.load (load_options); threads never reaches here
         target = manifest.target
         if not target or target.get("backend") != "nvidia":
             raise ArtifactError(f"{folder} holds no nvidia engine; build one with `kvexport build --target nvidia`")
