@@ -46,10 +46,11 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "
          "-shared", "-fPIC", "-DNDEBUG")
 # builds of the op a process may ask for through its environment, so that the kernels other CPUs run are tested on
 # this one: KVEXPORT_I8_AVX2=1 without AVX-512 (an AVX2 Zen 3's: AVX2 kernels, prompts in int16 pairs),
-# KVEXPORT_I8_PORTABLE=1 without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS=1 with prompt kernels in f32
-# only (with AVX-512: an AVX-512 CPU without VNNI and AVX512-BF16, Skylake; beside KVEXPORT_I8_AVX2: the AVX2 kernels in
-# f32), KVEXPORT_I8_NO_BF16=1 without AVX512-BF16 (VNNI scores, f32 weighted values: Cascade Lake, Ice Lake). One build
-# a process: two builds of the op cannot be loaded in one process (they register the same op).
+# KVEXPORT_I8_PORTABLE=1 without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS=1 with every kernel in f32,
+# prompts' and decode steps' (with AVX-512: an AVX-512 CPU without VNNI and AVX512-BF16, Skylake; beside
+# KVEXPORT_I8_AVX2: the AVX2 kernels in f32), KVEXPORT_I8_NO_BF16=1 without AVX512-BF16 (VNNI scores, f32 weighted
+# values: Cascade Lake, Ice Lake). One build a process: two builds of the op cannot be loaded in one process (they
+# register the same op).
 VARIANTS = {"KVEXPORT_I8_AVX2": ("-mno-avx512f",), "KVEXPORT_I8_PORTABLE": ("-mno-avx2",),
             "KVEXPORT_I8_F32_PROMPTS": ("-DKVEXPORT_I8_F32_PROMPTS",), "KVEXPORT_I8_NO_BF16": ("-mno-avx512bf16",)}
 
@@ -121,8 +122,9 @@ def int8_format(flags: set[str], compile: bool = True) -> tuple[str, str]:
 
 
 def kernels(lib: Path, head_dim: int) -> str:
-    """What the library's kernels for `head_dim` compute with (for instance "decode: AVX-512 f32; prompts: AVX-512,
-    scores int8 (VNNI), weighted values bf16 (AVX512-BF16)"), as the library itself says."""
+    """What the library's kernels for `head_dim` compute with (for instance "decode: AVX-512, scores int8 (VNNI),
+    weighted values f32; prompts: AVX-512, scores int8 (VNNI), weighted values bf16 (AVX512-BF16)"), as the library
+    itself says."""
     import ctypes
 
     said = ctypes.CDLL(str(lib)).kvexport_i8_kernels
