@@ -38,6 +38,10 @@ class Option:
     choices: tuple[str, ...] = ()  # str options: the values it takes (empty: any)
     phase: Literal["build", "load", "both"] = "build"  # `kvexport build --option`, or kvexport.load(**options)
 
+    def described(self) -> str:
+        """The option as an error lists what a target takes."""
+        return f"{self.name} ({self.kind}, default {self.default!r}): {self.help}"
+
 
 @dataclass(frozen=True)
 class AutoMode:
@@ -140,7 +144,7 @@ def parse_options(declared: tuple[Option, ...], given: dict[str, Any], *, target
     known = {o.name: o for o in declared if o.phase in (phase, "both")}
     unknown = sorted(set(given) - set(known))
     if unknown:
-        takes = "; ".join(f"{o.name} ({o.kind}, default {o.default!r}): {o.help}" for o in known.values())
+        takes = "; ".join(o.described() for o in known.values())
         raise InputError(f"unknown {target} options {unknown} at {phase}; the {target} target takes "
                          + (takes or f"no --option at {phase}"))
     out = {}
@@ -213,9 +217,9 @@ class Backend(ABC):
             core["progress"] = "progress (callable): what a build at first load reports to"
         unknown = sorted(set(given) - set(declared) - set(core))
         if unknown:
-            takes = [f"{o.name} ({o.kind}, default {o.default!r}): {o.help}" for o in declared.values()]
+            takes = [*core.values(), *(o.described() for o in declared.values())]
             raise InputError(f"unknown {self.name} load options {unknown}; the {self.name} target takes "
-                             + "; ".join([*core.values(), *takes]))
+                             + "; ".join(takes))
         return {k: parse_option(declared[k], v) if k in declared else v for k, v in given.items()}
 
     @abstractmethod

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kvexport.backends import AutoMode, BuildOptions, Capabilities, Option, Progress, parse_bool
+from kvexport.backends import AutoMode, BuildOptions, Capabilities, Option, Progress
 from kvexport.backends import Backend as _Backend
 from kvexport.backends.cpu_quant import BITS as CPU_BITS
 from kvexport.backends.cpu_quant import DEFAULT_GROUP_SIZE as CPU_DEFAULT_GROUP_SIZE
@@ -261,20 +261,20 @@ class CpuBackend(_Backend):
                    for t in model.graph.initializer)
 
     def open_session(self, folder: Path, manifest: Manifest, *, threads: int | None = None, no_rebuild: bool = False,
-                     huge_pages: Any = None, native_matmul: Any = None, native_attention: Any = None) -> CpuSession:
+                     huge_pages: bool | None = None, native_matmul: bool | None = None,
+                     native_attention: bool | None = None) -> CpuSession:
         self.require_available()  # the options are checked and typed by Backend.load (load_options)
         from kvexport import native
 
-        qmm = (native.kernel() if native_matmul is None or parse_bool("native_matmul", native_matmul)
-              else Kernel(False, "", "off (load option native_matmul=false)"))
-        attn = (native.attention_kernel() if native_attention is None
-                or parse_bool("native_attention", native_attention)
+        qmm = (native.kernel() if native_matmul in (None, True)
+               else Kernel(False, "", "off (load option native_matmul=false)"))
+        attn = (native.attention_kernel() if native_attention in (None, True)
                 else Kernel(False, "", "off (load option native_attention=false)", **native.ATTENTION_NAMES))
         target = manifest.target or {}
         quantized = (target.get("weights") or {}).get("dtype", "fp32") != "fp32"
         # default: quantized weights only. bench-1b int4 decoded 1.06-1.08x with them in huge pages; fp32's step
         # moved within noise (bench-1b here, bench-125m on Zen 3), so its load is not made longer for it
-        huge = parse_bool("huge_pages", huge_pages) if huge_pages is not None else quantized
+        huge = huge_pages if huge_pages is not None else quantized
         off = (HUGE_PAGES_OFF if huge_pages is not None else
                "off: the default for fp32 weights (load option huge_pages=true places them)")
         model = folder / ENGINE_DIR / OPT_MODEL

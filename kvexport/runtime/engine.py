@@ -142,13 +142,9 @@ class Engine:
         ids = np.zeros((B, S), dtype=np.int64)
         for b, r in enumerate(rows):
             ids[b, pad[b]:] = r
-        i = np.arange(S)
-        pos = np.maximum(i[None, :] - pad[:, None], 0)  # (B, S)
+        pos, mask = left_padded(pad, S)
         valid = np.zeros((B, S + max_new_tokens), dtype=bool)
-        valid[:, :S] = i[None, :] >= pad[:, None]
-        # (B, S, S) causal, no pad keys; a sliding-window layer's band is the graph's own (Decoder.decode)
-        mask = (i[None, None, :] <= i[None, :, None]) & valid[:, None, :S]
-        mask[:, i, i] |= ~valid[:, :S]  # a pad query sees itself only: keeps its row finite
+        valid[:, :S] = np.arange(S)[None, :] >= pad[:, None]
         state = self.session.new_state(B, S + max(max_new_tokens, 1))
         batch = Batch(rows, state, pad, valid, 0, None)
         logits = self.session.step(state, ids, pos, mask[:, None])
@@ -301,6 +297,17 @@ def _is_id_list(p: Any) -> bool:
     if isinstance(p, np.ndarray):
         return p.ndim == 1
     return isinstance(p, Sequence) and len(p) > 0 and all(isinstance(x, int | np.integer) for x in p)
+
+
+def left_padded(pad: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """How Engine.prefill lays out a batch of prompts left-padded by pad[b] slots to S: position_ids (B, S) and the
+    attention mask (B, S, S), causal with no pad keys and a pad query seeing itself only (its row stays finite); a
+    sliding-window layer's band is the graph's own (Decoder.decode)."""
+    i = np.arange(S)
+    valid = i[None, :] >= pad[:, None]
+    mask = (i[None, None, :] <= i[None, :, None]) & valid[:, None, :]
+    mask[:, i, i] |= ~valid
+    return np.maximum(i[None, :] - pad[:, None], 0), mask
 
 
 def load(path: str | Path, *, threads: int | None = None, **options: Any) -> Engine:

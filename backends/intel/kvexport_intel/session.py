@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvexport.errors import ContextOverflowError, InputError
+from kvexport.runtime.engine import left_padded
 from kvexport.runtime.ring import MASK_INPUT, RingSpec, sliding_mask, step_pieces
 from kvexport.runtime.session import Session
 
@@ -443,11 +444,8 @@ class IntelSession(Session):
             self._give_back(rows)
             state.rows, state.ids, state.pads, state.slots = None, None, None, 0
             state.request.reset_state()
-            i = np.arange(S)
-            valid = i[None, :] >= pads[:, None]
-            mask = (i[None, None, :] <= i[None, :, None]) & valid[:, None, :]
-            mask[:, i, i] |= ~valid  # a pad query sees itself only, as Engine.prefill lays a batch out
-            self._step(state, ids, np.maximum(i[None, :] - pads[:, None], 0), mask[:, None])
+            pos, mask = left_padded(pads, S)
+            self._step(state, ids, pos, mask[:, None])
             return
         blocks = np.asarray(rows.tables[0])
         # a fresh request's blocks come off the free list in order: a view of them, not a gathered copy
@@ -471,9 +469,7 @@ def _padded_causal(position_ids: np.ndarray, attention_mask: np.ndarray, past: i
     its padding and its new tokens up to itself. A fresh prompt (pads None) finds each row's padding: the slots
     before its first position 0, seen by no token after them (Engine.prefill's layout: a pad query sees itself)."""
     B, S = position_ids.shape
-    if pads is None:
-        if past:
-            return None
+    if pads is None:  # a fresh prompt (past 0)
         leading = (np.cumsum(position_ids != 0, axis=1) == 0).sum(axis=1)  # each row's leading position-0 slots
         pads = np.maximum(leading - 1, 0).astype(np.int64)
     tri = np.tri(S, dtype=bool)

@@ -481,7 +481,6 @@ void attend_run_simd(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
   constexpr int64_t W = V::W, D = NV * W, CS = V::CS(NV);
   const int64_t BS = sh.BS, n = hi - lo;
   alignas(64) float sc[MAX_GROUP][RUN + 16];
-  alignas(64) float wide[W * D];
 #if I8_QK_VNNI
   // the query rows rounded to int8 as the prompt kernel rounds them (one scale a row), + 128 as u8, in 64-byte pieces
   // (zeros past D); ones, for each key's sum of values (what the offset adds to a dot)
@@ -490,18 +489,10 @@ void attend_run_simd(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
   alignas(64) uint8_t qu[MAX_GROUP + 1][NC * 64];
   float qscl[MAX_GROUP];
   for (int64_t g = 0; g < G; g++) {
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t c = 0; c < NV; c++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(q + g * D + c * 16)));
-    const float a = _mm512_reduce_max_ps(amax);
-    const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+    int8_t qi[D];
+    quantize(q + g * D, D, qi, qscl + g);
     std::memset(qu[g], 0, NC * 64);
-    for (int64_t c = 0; c < NV; c++) {
-      __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + g * D + c * 16), inv));
-      qi = _mm512_add_epi32(_mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127)),
-                            _mm512_set1_epi32(128));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qu[g] + c * 16), _mm512_cvtepi32_epi8(qi));
-    }
-    qscl[g] = a / 127.f;
+    for (int64_t d = 0; d < D; d++) qu[g][d] = static_cast<uint8_t>(qi[d] + 128);
   }
   std::memset(qu[G], 0, NC * 64);
   std::memset(qu[G], 1, D);
@@ -526,7 +517,7 @@ void attend_run_simd(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
 #if I8_QK_VNNI
       // each row's u8 x s8 products over the keys, summed a 32-bit lane at a time and then across lanes (exact: under
       // 2^24 in f32), less the offset's share (128 x the key's sum: the ones row), times the key's and row's scales
-      const F kscl16 = V::load_first(ks + r0, rows);
+      const F kscale = V::load_first(ks + r0, rows);
       auto dots = [&](const uint8_t* row) {
         F acc[16];
         for (int64_t r = 0; r < 16; r++) {
@@ -542,9 +533,9 @@ void attend_run_simd(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
       };
       const F ksum = _mm512_mul_ps(dots(qu[G]), _mm512_set1_ps(128.f));
       for (int64_t g = 0; g < G; g++)
-        V::storeu(sc[g] + at + r0, V::mul(V::sub(dots(qu[g]), ksum), V::mul(kscl16, V::set1(qscl[g]))));
-      continue;
-#endif
+        V::storeu(sc[g] + at + r0, V::mul(V::sub(dots(qu[g]), ksum), V::mul(kscale, V::set1(qscl[g]))));
+#else
+      alignas(64) float wide[W * D];
       for (int64_t r = 0; r < W; r++)
         for (int64_t c = 0; c < NV; c++)
           V::store(wide + r * D + c * W, r < rows ? V::widen(krows + (r0 + r) * D + c * W) : V::zero());
@@ -558,6 +549,7 @@ void attend_run_simd(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
         }
         V::storeu(sc[g] + at + r0, V::mul(V::sum_rows(acc), kscale));
       }
+#endif
     }
     start += cnt;
   }
@@ -630,34 +622,19 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
       const float* src = query + t * sh.H * D + (h * G + g) * D;
       F x[NV];
       for (int64_t c = 0; c < NV; c++) x[c] = V::mul(V::loadu(src + c * W), sv);
+#if I8_QK_VNNI || I8_QK_I16
+      // the row as int8 (q ~ qi * qscl[r], as quantize rounds the keys): + 128 as u8 for VNNI, int16 for AVX2
+      alignas(64) float xs[D];
+      int8_t qi[D];
+      for (int64_t c = 0; c < NV; c++) V::store(xs + c * W, x[c]);
+      quantize(xs, D, qi, qscl + r);
 #if I8_QK_VNNI
-      // the row as int8 (q ~ qi * qscl[r]), stored + 128 as u8
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t c = 0; c < NV; c++) amax = _mm512_max_ps(amax, _mm512_abs_ps(x[c]));
-      const float a = _mm512_reduce_max_ps(amax);
-      const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
       uint8_t* qu = reinterpret_cast<uint8_t*>(q) + r * D;
-      for (int64_t c = 0; c < NV; c++) {
-        __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(x[c], inv));  // nearest, ties to even
-        qi = _mm512_add_epi32(_mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127)),
-                              _mm512_set1_epi32(128));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qu + c * 16), _mm512_cvtepi32_epi8(qi));
-      }
-      qscl[r] = a / 127.f;
-#elif I8_QK_I16
-      // the row as int8 (q ~ qi * qscl[r]), stored as int16
-      __m256 amax = _mm256_setzero_ps();
-      for (int64_t c = 0; c < NV; c++) amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), x[c]));
-      const float a = V::reduce_max(amax);
-      const __m256 inv = _mm256_set1_ps(a > 0.f ? 127.f / a : 0.f);
+      for (int64_t d = 0; d < D; d++) qu[d] = static_cast<uint8_t>(qi[d] + 128);
+#else
       int16_t* q16 = reinterpret_cast<int16_t*>(q) + r * D;
-      for (int64_t c = 0; c < NV; c++) {
-        __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(x[c], inv));  // nearest, ties to even
-        qi = _mm256_max_epi32(_mm256_min_epi32(qi, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q16 + c * 8),
-                         _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1)));
-      }
-      qscl[r] = a / 127.f;
+      for (int64_t d = 0; d < D; d++) q16[d] = qi[d];
+#endif
 #else
       for (int64_t c = 0; c < NV; c++) V::store(q + r * D + c * W, x[c]);
 #endif
