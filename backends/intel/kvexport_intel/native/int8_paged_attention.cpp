@@ -587,8 +587,38 @@ inline void weigh_rows(float* acc, const float* w, const int8_t* vrows, int64_t 
 // Zen 4, a decode step over 4000 slots (12 query / 4 KV heads, head_dim 64, two threads, each layer's blocks out of
 // the caches, as in a model): 150-165 us a layer with the old kernel (keys' products summed across lanes, no asking
 // ahead), 140-148 with the keys transposed, 112-124 with this asking ahead (the blocks' bytes alone, read in the same
-// order: 60-70 us), for 4/24 rows, 8/16, 12/8 or 0/32 alike within the noise; 16/0 135.
+// order: 60-70 us), for 4/24 rows, 8/16, 12/8 or 0/32 alike within the noise; 16/0 135. The AVX2 kernel
+// (attend_run_simd) asking ahead the same way ran slower there (limited to AVX2: 145 -> 187 us with the blocks in
+// the caches, no faster out of them), so it does not.
 constexpr int64_t AHEAD_SCORES = 4, AHEAD_VALUES = 24;
+
+// The next run of a decode task's (sequence, KV head): the slots after its own, the run the thread most often takes
+// next. rows(n) asks the memory for the keys and values of n more of its rows (their scales with every 16th).
+struct RunAhead {
+  int8_t *kc, *vc;
+  const Shape& sh;
+  const Seqs& seqs;
+  int64_t s, h, at, hi;
+  RunAhead(int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs, int64_t s, int64_t h, int64_t from)
+      : kc(kc), vc(vc), sh(sh), seqs(seqs), s(s), h(h), at(from),
+        hi(std::min<int64_t>(from + RUN, seqs.past[s] + 1)) {}
+  void rows(int64_t n) {
+    for (const int64_t stop = std::min(hi, at + n); at < stop; at++) {
+      const int32_t b = seqs.block(s, at, sh.BS);
+      const char* kp = reinterpret_cast<const char*>(rows_of(kc, sh, b, h));
+      const char* vp = reinterpret_cast<const char*>(rows_of(vc, sh, b, h));
+      const int64_t slot = at % sh.BS;
+      for (int64_t line = 0; line < sh.D; line += 64) {
+        _mm_prefetch(kp + slot * sh.D + line, _MM_HINT_T0);
+        _mm_prefetch(vp + slot * sh.D + line, _MM_HINT_T0);
+      }
+      if (slot % 16 == 0) {
+        _mm_prefetch(kp + sh.BS * sh.D + slot * 4, _MM_HINT_T0);
+        _mm_prefetch(vp + sh.BS * sh.D + slot * 4, _MM_HINT_T0);
+      }
+    }
+  }
+};
 
 // A decode step's run with VNNI: the run's scores (each block's keys transposed 16 rows at a time, so that each 32-bit
 // lane sums one row's u8 x s8 products over a broadcast of four of the query's values: no sums across lanes), one
@@ -616,25 +646,7 @@ void attend_run_vnni(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
   }
   const __m512i flip = _mm512_set1_epi8(-128);
   alignas(64) float sc[MAX_GROUP][RUN + 16];
-  // the next run's rows, asked for `rows` at a time
-  const int64_t next_hi = std::min<int64_t>(hi + RUN, seqs.past[s] + 1);
-  int64_t ahead = hi;
-  auto fetch = [&](int64_t rows) {
-    for (const int64_t stop = std::min(next_hi, ahead + rows); ahead < stop; ahead++) {
-      const int32_t b = seqs.block(s, ahead, BS);
-      const char* kp = reinterpret_cast<const char*>(rows_of(kc, sh, b, h));
-      const char* vp = reinterpret_cast<const char*>(rows_of(vc, sh, b, h));
-      const int64_t at = ahead % BS;
-      for (int64_t line = 0; line < D; line += 64) {
-        _mm_prefetch(kp + at * D + line, _MM_HINT_T0);
-        _mm_prefetch(vp + at * D + line, _MM_HINT_T0);
-      }
-      if (at % 16 == 0) {
-        _mm_prefetch(kp + BS * D + at * 4, _MM_HINT_T0);
-        _mm_prefetch(vp + BS * D + at * 4, _MM_HINT_T0);
-      }
-    }
-  };
+  RunAhead ahead(kc, vc, sh, seqs, s, h, hi);
   for (int64_t start = lo; start < hi;) {
     const int64_t slot0 = start % BS, cnt = std::min(BS - slot0, hi - start), at = start - lo;
     const int32_t block = seqs.block(s, start, BS);
@@ -649,7 +661,7 @@ void attend_run_vnni(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
         _mm_prefetch(reinterpret_cast<const char*>(vb + (slot0 + r0) * D + line), _MM_HINT_T0);
         if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + r0 * D + line), _MM_HINT_T0);
       }
-      fetch(AHEAD_SCORES);
+      ahead.rows(AHEAD_SCORES);
       alignas(64) int32_t part[MAX_GROUP][16];  // a piece's sums for the next piece to add to (D > 64)
       for (int64_t p = 0; p < NP; p++) {
         const int64_t lanes = p + 1 < NP ? 16 : L;
@@ -705,7 +717,7 @@ void attend_run_vnni(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
       for (int64_t j = 0; j < cnt; j += 16)
         _mm512_mask_storeu_ps(sc[g] + at + j, first(cnt - j),  // not the next piece's weights
                               _mm512_mul_ps(_mm512_loadu_ps(sc[g] + at + j), _mm512_maskz_loadu_ps(first(cnt - j), vs + j)));
-    fetch(cnt * AHEAD_VALUES / 32);
+    ahead.rows(cnt * AHEAD_VALUES / 32);
     const int8_t* vrows = vb + slot0 * D;
     for (int64_t g0 = 0; g0 < G; g0 += GR) {
       float* acc = o + g0 * D;
