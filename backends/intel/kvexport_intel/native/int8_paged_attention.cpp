@@ -478,6 +478,28 @@ inline void scores_i16(const int16_t* q16, const int64_t* row, const int32_t* kd
 #endif
 
 #ifdef I8_SIMD
+// A decode run's softmax over its n scores a head (sc[g], replaced by e^(score - max)), unnormalized: each head's max
+// and sum go to the merge of the runs.
+template <class V>
+void run_softmax(float (*sc)[RUN + 16], int64_t G, int64_t n, float* m, float* l) {
+  using F = typename V::F;
+  for (int64_t g = 0; g < G; g++) {
+    float* x = sc[g];
+    F mx = V::set1(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; j += V::W) mx = V::mask_max(mx, V::lanes(0, n - j), V::loadu(x + j));
+    const float mg = V::reduce_max(mx);
+    const F mv = V::set1(mg);
+    F sum = V::zero();
+    for (int64_t j = 0; j < n; j += V::W) {
+      const F e = V::maskz(V::lanes(0, n - j), V::exp(V::sub(V::loadu(x + j), mv)));
+      V::storeu(x + j, e);
+      sum = V::add(sum, e);
+    }
+    m[g] = mg;
+    l[g] = V::reduce_add(sum);
+  }
+}
+
 // attend_run with W rows' scores summed together (V::sum_rows) and one softmax over the run; NV = D / V::W. The
 // builds without VNNI run it (AVX2; AVX-512 without VNNI), in f32; attend_run_vnni below is the VNNI builds'.
 template <class V, int64_t NV>
@@ -521,22 +543,7 @@ void attend_run_simd(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
     }
     start += cnt;
   }
-  // softmax over the run, unnormalized: its max and its sum go to the merge
-  for (int64_t g = 0; g < G; g++) {
-    float* x = sc[g];
-    F mx = V::set1(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; j += W) mx = V::mask_max(mx, V::lanes(0, n - j), V::loadu(x + j));
-    const float mg = V::reduce_max(mx);
-    const F mv = V::set1(mg);
-    F sum = V::zero();
-    for (int64_t j = 0; j < n; j += W) {
-      const F e = V::maskz(V::lanes(0, n - j), V::exp(V::sub(V::loadu(x + j), mv)));
-      V::storeu(x + j, e);
-      sum = V::add(sum, e);
-    }
-    m[g] = mg;
-    l[g] = V::reduce_add(sum);
-  }
+  run_softmax<V>(sc, G, n, m, l);
   // weighted values: each row widened once for REG_G heads of the group, CS vectors of it at a time
   constexpr int64_t REG_G = V::W == 16 ? (NV <= 4 ? 6 : 3) : 2;  // heads whose sums stay in registers (REG_G x CS)
   for (int64_t c0 = 0; c0 < NV; c0 += CS)
@@ -696,22 +703,7 @@ void attend_run_vnni(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
     }
     start += cnt;
   }
-  // softmax over the run, unnormalized: its max and its sum go to the merge
-  for (int64_t g = 0; g < G; g++) {
-    float* x = sc[g];
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; j += 16) mx = _mm512_mask_max_ps(mx, first(n - j), mx, _mm512_loadu_ps(x + j));
-    const float mg = _mm512_reduce_max_ps(mx);
-    const __m512 mv = _mm512_set1_ps(mg);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(first(n - j), exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv)));
-      _mm512_storeu_ps(x + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    m[g] = mg;
-    l[g] = _mm512_reduce_add_ps(sum);
-  }
+  run_softmax<V16>(sc, G, n, m, l);
   // the weights times each row's value scale, then the weighted values a block's piece at a time
   std::fill(o, o + G * D, 0.f);
   for (int64_t start = lo; start < hi;) {
