@@ -609,17 +609,25 @@ constexpr int64_t AHEAD_SCORES = 4, AHEAD_VALUES = 24;
 struct RunAhead {
   int8_t *kc, *vc;
   const Shape& sh;
-  const Seqs& seqs;
-  int64_t s, h, at, hi;
+  const int32_t* table;  // the sequence's block table
+  int64_t h, at, hi;     // the next slot to ask for, the run's end
+  int64_t index = 0, slot = 0;  // at's block in the table, and its slot in the block (no division a row)
+  const char *kp = nullptr, *vp = nullptr;
   RunAhead(int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs, int64_t s, int64_t h, int64_t from)
-      : kc(kc), vc(vc), sh(sh), seqs(seqs), s(s), h(h), at(from),
-        hi(std::min<int64_t>(from + RUN, seqs.past[s] + 1)) {}
+      : kc(kc), vc(vc), sh(sh), table(seqs.blocks + seqs.block_begins[s]), h(h), at(from),
+        hi(std::min<int64_t>(from + RUN, seqs.past[s] + 1)) {
+    if (at < hi) {
+      index = at / sh.BS;
+      slot = at % sh.BS;
+      locate();
+    }
+  }
+  void locate() {
+    kp = reinterpret_cast<const char*>(rows_of(kc, sh, table[index], h));
+    vp = reinterpret_cast<const char*>(rows_of(vc, sh, table[index], h));
+  }
   void rows(int64_t n) {
     for (const int64_t stop = std::min(hi, at + n); at < stop; at++) {
-      const int32_t b = seqs.block(s, at, sh.BS);
-      const char* kp = reinterpret_cast<const char*>(rows_of(kc, sh, b, h));
-      const char* vp = reinterpret_cast<const char*>(rows_of(vc, sh, b, h));
-      const int64_t slot = at % sh.BS;
       for (int64_t line = 0; line < sh.D; line += 64) {
         _mm_prefetch(kp + slot * sh.D + line, _MM_HINT_T0);
         _mm_prefetch(vp + slot * sh.D + line, _MM_HINT_T0);
@@ -627,6 +635,11 @@ struct RunAhead {
       if (slot % 16 == 0) {
         _mm_prefetch(kp + sh.BS * sh.D + slot * 4, _MM_HINT_T0);
         _mm_prefetch(vp + sh.BS * sh.D + slot * 4, _MM_HINT_T0);
+      }
+      if (++slot == sh.BS && at + 1 < hi) {
+        slot = 0;
+        index++;
+        locate();
       }
     }
   }
