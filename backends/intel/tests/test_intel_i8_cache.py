@@ -338,3 +338,16 @@ def test_i8_without_a_compiler_says_what_to_do(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(BackendUnavailableError, match="kv_precision=u8"):
         int8_blocks.library()
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_the_decode_benchmark_builds_against_this_source(op_lib: Path) -> None:
+    """benchmarks/i8_decode_op.py compiles its driver around the op's source as it is (its decode called directly)
+    and prints three timings a layer: a change to the op's decode signature or layout that the driver no longer
+    fits fails here rather than in the next session that times it."""
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "i8_decode_op.py"
+    done = subprocess.run([sys.executable, str(script), "600", "2", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("decode over 600 slots, a layer:"), line
+    timings = [float(x) for x in line.replace("(", " ").replace(")", " ").split() if x.replace(".", "", 1).isdigit()]
+    assert len(timings) == 7 and all(t > 0 for t in timings[1:]), line  # the slots, then three medians and quartiles
