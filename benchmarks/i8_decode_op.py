@@ -93,7 +93,8 @@ int main(int argc, char** argv) {
 
 def main(argv: list[str]) -> None:
     avx2 = "--avx2" in argv
-    slots, layers, rounds = ([int(a) for a in argv if a != "--avx2"] + [4000, 12, 300][len(argv) - avx2:])[:3]
+    given = [int(a) for a in argv if a != "--avx2"]
+    slots, layers, rounds = given + [4000, 12, 300][len(given):]
     include, libs = Path(ov.__file__).parent / "include", Path(ov.__file__).parent / "libs"
     with tempfile.TemporaryDirectory() as tmp:
         # the op's class with its decode callable from the driver

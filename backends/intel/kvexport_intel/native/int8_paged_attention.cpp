@@ -25,8 +25,8 @@
 // tensors (kvexport_intel.paged.PagedRows binds them once; the plugin hands this op their memory): written in
 // place, nothing copied.
 //
-// A decode step (one new token a sequence) splits each sequence's slots into runs of RUN for the threads and
-// merges the runs' partial softmaxes after; a prompt takes tiles of QTILE tokens, each chunk of keys and values
+// A decode step (one new token a sequence) splits each sequence's slots into runs of RUN for the threads (below
+// SERIAL slots, all on the calling thread) and merges the runs' partial softmaxes after; a prompt takes tiles of QTILE tokens, each chunk of keys and values
 // made ready once for the tile (keys transposed, so that a query row's scores come out of vector products over the
 // head dimension without horizontal sums). Where the CPU has VNNI, scores are int8 products (the query rows rounded
 // to int8 as the keys are), a decode step's too; where it has AVX512-BF16, a prompt's weighted values are bf16 pair
@@ -90,6 +90,9 @@ inline int8_t* rows_of(int8_t* cache, const Shape& sh, int64_t block, int64_t h)
   return cache + (block * sh.KV + h) * sh.row_bytes();
 }
 inline float* scales_of(int8_t* rows, const Shape& sh) { return reinterpret_cast<float*>(rows + sh.BS * sh.D); }
+inline const float* scales_of(const int8_t* rows, const Shape& sh) {
+  return reinterpret_cast<const float*>(rows + sh.BS * sh.D);
+}
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is a call a lane): 2^n * e^r with
 // r = x - n ln 2 in [-ln2/2, ln2/2], e^r by its degree-6 Taylor polynomial (relative error below 2e-7, about
@@ -277,9 +280,8 @@ inline __m512 widen(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_
 // How the prompt kernel multiplies, where -march=native has the instructions (kernels() names the choice):
 // - the scores of VNNI: each query row quantized to int8 (symmetric, one f32 scale a row, as the keys are stored) and
 //   offset by 128 to u8, four u8 x s8 products a 32-bit lane a vpdpbusd (64 a vector: four times a vector FMA's),
-//   the offset taken back out with each key's sum of values x 128; a decode step's scores too (attend_run_simd:
-//   each key row's products in one vpdpbusd a head, summed across lanes W rows at a time; 0.227 -> 0.192 ms for a
-//   step over 4000 slots on the Zen 4, the keys no longer widened to f32);
+//   the offset taken back out with each key's sum of values x 128; a decode step's scores too, the other way round
+//   (attend_run_vnni: the keys as u8, the query's sum taking the offset out);
 // - the weighted values of AVX512-BF16: the values' int8 (exact in bf16) in pairs of slots, the weights (softmax
 //   times each slot's value scale) rounded to bf16, two products a 32-bit lane a vdpbf16ps (twice a vector FMA's);
 // else f32 FMAs over the keys and values widened and scaled.
@@ -679,7 +681,7 @@ void attend_run_vnni(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
     const int32_t block = seqs.block(s, start, BS);
     const int8_t* kb = rows_of(kc, sh, block, h);
     const int8_t* krows = kb + slot0 * D;
-    const float* ks = scales_of(const_cast<int8_t*>(kb), sh) + slot0;
+    const float* ks = scales_of(kb, sh) + slot0;
     const int8_t* next = start + cnt < hi ? rows_of(kc, sh, seqs.block(s, start + cnt, BS), h) : nullptr;
     const int8_t* vb = rows_of(vc, sh, block, h);
     for (int64_t r0 = 0; r0 < cnt; r0 += 16) {
@@ -724,7 +726,7 @@ void attend_run_vnni(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
   for (int64_t start = lo; start < hi;) {
     const int64_t slot0 = start % BS, cnt = std::min(BS - slot0, hi - start), at = start - lo;
     const int8_t* vb = rows_of(vc, sh, seqs.block(s, start, BS), h);
-    const float* vs = scales_of(const_cast<int8_t*>(vb), sh) + slot0;
+    const float* vs = scales_of(vb, sh) + slot0;
     for (int64_t g = 0; g < G; g++)
       for (int64_t j = 0; j < cnt; j += 16)
         _mm512_mask_storeu_ps(sc[g] + at + j, first(cnt - j),  // not the next piece's weights
@@ -809,8 +811,8 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
           const int8_t* vb = rows_of(vc, sh, b, h);
           const int64_t at = slot % BS;
           krow[e] = kb + at * D, vrow[e] = vb + at * D;
-          kscl[j] = scales_of(const_cast<int8_t*>(kb), sh)[at];
-          vscl[j] = scales_of(const_cast<int8_t*>(vb), sh)[at];
+          kscl[j] = scales_of(kb, sh)[at];
+          vscl[j] = scales_of(vb, sh)[at];
         } else {
           krow[e] = vrow[e] = nullptr, kscl[j] = vscl[j] = 0.f;
         }
