@@ -10,6 +10,7 @@ an AVX2-only CPU would (-mno-avx512f). Shape: 12 query / 4 KV heads, head_dim 64
 Prints medians and first quartiles of microseconds per layer."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -102,7 +103,8 @@ def main(argv: list[str]) -> None:
         (Path(tmp) / "driver.cpp").write_text(DRIVER)
         flags = [f for f in int8_blocks.FLAGS if f not in ("-shared", "-fPIC")] + ["-w"] + (["-mno-avx512f"] if avx2 else [])
         exe = Path(tmp) / "driver"
-        subprocess.run(["c++", *flags, str(Path(tmp) / "driver.cpp"), f"-I{include}", f"-I{int8_blocks.SHARED}",
+        cxx = os.environ.get("CXX") or "c++"  # the compiler int8_blocks.library() takes
+        subprocess.run([cxx, *flags, str(Path(tmp) / "driver.cpp"), f"-I{include}", f"-I{int8_blocks.SHARED}",
                         str(sorted(libs.glob("libopenvino.so*"))[0]), str(sorted(libs.glob("libtbb.so*"))[0]),
                         f"-Wl,-rpath,{libs}", "-o", str(exe)], check=True)
         subprocess.run([str(exe), str(slots), str(layers), str(rounds)], check=True)
