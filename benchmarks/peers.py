@@ -614,7 +614,7 @@ def _run(cmd: list[str]) -> None:
     print(f"  done in {time.perf_counter() - t:.0f}s", flush=True)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("setup", help=f"make {VENV} with the pinned peers").set_defaults(fn=setup)
@@ -647,7 +647,11 @@ def main() -> None:
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--options", default="{}")
     s.set_defaults(fn=worker)
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
     a.fn(a)
 
 
