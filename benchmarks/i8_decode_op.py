@@ -93,9 +93,15 @@ int main(int argc, char** argv) {
 
 
 def main(argv: list[str]) -> None:
-    avx2 = "--avx2" in argv
-    given = [int(a) for a in argv if a != "--avx2"]
-    slots, layers, rounds = given + [4000, 12, 300][len(given):]
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("slots", type=int, nargs="?", default=4000, help="slots a sequence holds (default 4000)")
+    ap.add_argument("layers", type=int, nargs="?", default=12, help="layers' blocks read in turn (default 12)")
+    ap.add_argument("rounds", type=int, nargs="?", default=300, help="timed rounds (default 300)")
+    ap.add_argument("--avx2", action="store_true", help="build the driver as an AVX2-only CPU would (-mno-avx512f)")
+    a = ap.parse_args(argv)
+    avx2, slots, layers, rounds = a.avx2, a.slots, a.layers, a.rounds
     include, libs = Path(ov.__file__).parent / "include", Path(ov.__file__).parent / "libs"
     with tempfile.TemporaryDirectory() as tmp:
         # the op's class with its decode callable from the driver
