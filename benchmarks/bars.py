@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers.py"
 DEFAULT_MODEL = HERE.parent / "kvexport" / "default_model"  # the trained default model (docs/default-model.md)
+MIN_FREE = 16 * 2**30  # bytes of disk a step that makes something may need
 GROUPS = ("export", "cpu", "intel", "kv", "long", "quality")
 
 
@@ -221,6 +223,13 @@ def needed(plan: Plan, groups: set[str]) -> list[Step]:
         keep |= more
 
 
+def complete(folder: Path) -> bool:
+    """A folder a step makes, whole: an artifact (its manifest, written last), a checkpoint, a peer's model or the
+    peers' virtualenv; a folder without its file is what an interrupted or failed step left."""
+    return (any((folder / f).is_file() for f in ("manifest.json", "genai_config.json", "openvino_model.xml",
+                                                 "bin/python")) or any(folder.glob("*.safetensors")))
+
+
 def run(a: argparse.Namespace) -> None:
     work = Path(a.work).resolve()
     plan = make_plan(work, cpu_flags(), a.rounds)
@@ -228,16 +237,25 @@ def run(a: argparse.Namespace) -> None:
     if only - set(GROUPS):
         sys.exit(f"error: --only takes {', '.join(GROUPS)}, not {', '.join(sorted(only - set(GROUPS)))}")
     steps = needed(plan, only)
-    print(f"cpu: {cpu_kind(plan.flags)}; work folder {work}; {len(steps)} steps", flush=True)
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"cpu: {cpu_kind(plan.flags)}; work folder {work} ({shutil.disk_usage(work).free / 2**30:.0f} GiB free); "
+          f"{len(steps)} steps", flush=True)
     for s in steps:
         done = result_path(work, s)
-        state = ("kept" if done.is_file() else "exists" if s.makes and Path(s.makes).exists() else "to run")
+        state = "kept" if done.is_file() else "exists" if s.makes and complete(Path(s.makes)) else "to run"
+        if state == "to run" and s.makes and Path(s.makes).exists():
+            print(f"  {s.name}: {s.makes} is there but incomplete (an interrupted or failed step): made again",
+                  flush=True)
         if a.dry_run:
             print(f"  [{state}] {s.name}: {' '.join(s.argv)}")
             continue
         if state != "to run":
             print(f"  {s.name}: {state}, not run again", flush=True)
             continue
+        free = shutil.disk_usage(work).free
+        if s.makes and free < MIN_FREE:  # a bench-1b artifact takes 5-11 GiB, its build more while it writes
+            sys.exit(f"error: {free / 2**30:.1f} GiB free under {work}; {s.name} needs {MIN_FREE / 2**30:.0f} GiB or "
+                     "more (a whole run keeps about 60 GiB): free some, or give --work another disk, and run again")
         print(f"  {s.name}: running ({' '.join(s.argv[1:4])} ...)", flush=True)
         rec = execute(s, work / "logs" / f"{s.name}.log")
         print(f"    rc {rec['rc']}, {rec['wall_s']:.0f} s, peak RSS {rec['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)

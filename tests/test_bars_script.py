@@ -90,6 +90,20 @@ def test_a_group_brings_what_its_measurements_use(bars, tmp_path) -> None:  # ty
     assert quality and all(n.startswith(("build-def-", "verify-def-")) for n in quality)
 
 
+def test_a_folder_an_interrupted_step_left_is_made_again(bars, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    peer = tmp_path / "openvino-int8"
+    peer.mkdir()
+    (peer / "config.json").write_text("{}")  # optimum-cli's first file, before the model
+    assert not bars.complete(peer)
+    (peer / "openvino_model.xml").write_text("<net/>")
+    assert bars.complete(peer)
+    art = tmp_path / "b1-cpu-int8.kvx"
+    (art / "engine").mkdir(parents=True)
+    assert not bars.complete(art)
+    (art / "manifest.json").write_text("{}")
+    assert bars.complete(art)
+
+
 def test_the_last_json_document_after_progress_lines(bars) -> None:  # type: ignore[no-untyped-def]
     text = "cpu: x\nprompt 32 round 1: a {b}\n{\n  \"prompts\": {\"32\": 1}\n}\n"
     assert bars.last_json(text) == {"prompts": {"32": 1}}
