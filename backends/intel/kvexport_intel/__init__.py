@@ -207,6 +207,7 @@ class IntelBackend(Backend):
             progress(f"intel: compressed weight tensors {plan['compressed_weights']}")
         engine = folder / ENGINE_DIR
         engine.mkdir(exist_ok=True)
+        lowering.static_split_lengths(model)
         ov.save_model(model, str(engine / lowering.XML), compress_to_fp16=False)
         progress(f"intel: wrote {ENGINE_DIR}/{lowering.XML} in {time.perf_counter() - t0:.1f}s; checking the fused path")
         held = held_kv(precision, kv, ring)
@@ -326,7 +327,7 @@ class IntelBackend(Backend):
         config = _compile_config(precision, kv, int(threads), pinned=True, compressed=compressed)
         core = ov.Core()  # made after pinning, so the plugin's CPU map sees the node's cores
         try:
-            compiled = core.compile_model(core.read_model(str(xml)), "CPU", config)
+            compiled = core.compile_model(lowering.read_engine(core, xml), "CPU", config)
         except RuntimeError as e:
             raise ArtifactError(f"OpenVINO could not compile {xml}: {e}; rebuild the artifact with this OpenVINO") from e
         facts = {"threads": int(threads), "precision": precision, "kv_precision": kv, "warning": warning,
@@ -340,7 +341,7 @@ class IntelBackend(Backend):
 
         def cache_twin(cache: str) -> IntelSession:  # the same engine at f32 activations with `cache`
             twin_config = _compile_config("fp32", cache, int(threads), pinned=True, compressed=compressed)
-            twin = self._session(core.compile_model(core.read_model(str(xml)), "CPU", twin_config), manifest,
+            twin = self._session(core.compile_model(lowering.read_engine(core, xml), "CPU", twin_config), manifest,
                                  {**facts, "precision": "fp32", "kv_precision": cache}, ring)
             # its prompts paged as the engine's are, so that an i8 twin holds i8 blocks (its state would be u8)
             twin.model_path, twin.compile_config = str(xml), twin_config

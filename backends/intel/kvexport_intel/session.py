@@ -193,8 +193,10 @@ class IntelSession(Session):
 
         if self.model_path is None:
             return None, "this session was not loaded from an artifact"
+        from kvexport_intel.lowering import read_engine
+
         core = ov.Core()
-        model = core.read_model(self.model_path)
+        model = read_engine(core, self.model_path)
         if config.get("KEY_CACHE_PRECISION") == "u8":
             config = {**config, "KEY_CACHE_QUANT_MODE": PAGED_KEY_QUANT}
         why, compiled = to_paged(model, self.windows, split_packed=self.paged_split), None
