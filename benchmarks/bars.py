@@ -102,8 +102,8 @@ def make_plan(work: Path, flags: set[str], rounds: int = 3) -> Plan:
     build("b1-cpu-int4", "cpu", b1, "--target", "cpu", "--weights", "int4", "--group-size", "32")
     build("b1-intel-int8", "intel", b1, "--target", "intel", "--weights", "int8")
     build("b1-intel-int4-g128", "intel", b1, "--target", "intel", "--weights", "int4", "--group-size", "128")
-    if plan.bf16:
-        build("b1-intel-fp32", "intel", b1, "--target", "intel", "--weights", "fp32")
+    if plan.bf16:  # bf16 activations over bf16 weights, as the peer's fp32 model runs under its bf16 hint
+        build("b1-intel-bf16", "intel", b1, "--target", "intel", "--weights", "bf16")
     # bench-125m at 4096
     for name, args in (("b125-cpu-fp32", ("--target", "cpu", "--weights", "fp32")),
                        ("b125-intel-fp32", ("--target", "intel", "--weights", "fp32")),
@@ -161,7 +161,7 @@ def make_plan(work: Path, flags: set[str], rounds: int = 3) -> Plan:
     vs_peers("intel-int4-vs-openvino", "intel", plan.p("b1-intel-int4-g128.kvx"),
              f"{p1}/openvino-int4-g128@precision={act},kv={act}", "--prompt-lens", "32,512", "--step-blocks", "1")
     if plan.bf16:
-        vs_peers("intel-bf16-vs-openvino", "intel", plan.p("b1-intel-fp32.kvx"),
+        vs_peers("intel-bf16-vs-openvino", "intel", plan.p("b1-intel-bf16.kvx"),
                  f"{p1}/openvino-fp32@precision=bf16,kv=bf16", "--prompt-lens", "32,512", "--step-blocks", "1")
     bench("cpu-kv-4096", "kv", plan.p("b125-cpu-int4-kvint8.kvx"), "--compare", plan.p("b125-cpu-int4-kvfp32.kvx"),
           "--prompt-lens", "4096", "--no-floor")

@@ -74,6 +74,9 @@ def test_every_planned_command_parses_and_its_load_options_are_declared(bars, pe
     assert checked >= 4  # precision=fp32 and kv_precision=f32 on the intel artifacts at least
     bf16 = "intel-bf16-vs-openvino" in names
     assert bf16 == bool({"avx512_bf16", "amx_bf16"} & flags)
+    if bf16:  # like for like: the engine built to run bf16, against the peer under its bf16 hint
+        build = next(s for s in plan.steps if s.name == "build-b1-intel-bf16").argv
+        assert build[build.index("--weights") + 1] == "bf16"
     peer = next(s for s in plan.steps if s.name == "intel-int8-vs-openvino").argv
     assert any(x.endswith("@precision=bf16,kv=bf16") for x in peer) == bf16  # the peer runs the engine's precision
 
