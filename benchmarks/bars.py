@@ -8,7 +8,7 @@ measurement with the commands the docs give, keeps each command's output, and pr
 this run measured, and whether it was met. A step whose output is already in the folder is not run again, so an
 interrupted run resumes where it stopped and `report` re-reads the figures without running anything.
 
-    python benchmarks/bars.py run --work out/bars            # everything (hours on 2 cores: bench-1b five times)
+    python benchmarks/bars.py run --work out/bars            # everything (about an hour on 2 cores, 59 GiB of disk)
     python benchmarks/bars.py run --work out/bars --only cpu  # one group: cpu, intel, kv, long, quality, export
     python benchmarks/bars.py run --work out/bars --dry-run   # the plan for this CPU, nothing run
     python benchmarks/bars.py report --work out/bars         # the table from what is there (--json for the figures)
