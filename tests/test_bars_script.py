@@ -87,7 +87,7 @@ def test_a_group_brings_what_its_measurements_use(bars, tmp_path) -> None:  # ty
     for need in ("checkpoint-bench-1b", "build-b1-intel-int8", "build-peers1b-openvino-int8", "peers-setup",
                  "intel-int8-vs-openvino"):
         assert need in names
-    assert "cpu-modes" not in names and "build-b1-cpu-int8" not in names
+    assert "cpu-int8" not in names and "build-b1-cpu-int8" not in names
     assert names.index("build-b1-intel-int8") < names.index("intel-int8-vs-openvino")
     quality = [s.name for s in bars.needed(plan, {"quality"})]
     assert quality and all(n.startswith(("build-def-", "verify-def-")) for n in quality)
@@ -119,17 +119,18 @@ def _write(work: Path, name: str, output: dict) -> None:
     (work / "results" / f"{name}.json").write_text(json.dumps({"argv": [], "rc": 0, "wall_s": 1.0, "output": output}))
 
 
-def _other(speed: float, floor: float, own: float) -> dict:
-    return {"decode_ratio_vs_main_median_round": speed, "floor_ratio_vs_main": floor,
-            "fraction_of_own_floor_median_round": own}
+def _modes(speed: float, floor: float, own: float, differs: str | None = None) -> dict:
+    """`kvexport bench QUANTIZED --compare fp32 --json`: fp32's ratios over the quantized engine."""
+    engine = {"fraction_of_own_floor_median_round": own, **({"floor_placement_differs": differs} if differs else {})}
+    fp32 = {"decode_ratio_vs_main_median_round": 1 / speed, "floor_ratio_vs_main": 1 / floor}
+    return {"prompts": {p: {"engine": engine, "other:/w/b1-cpu-fp32.kvx": fp32} for p in ("32", "512")}}
 
 
 def test_the_table_reads_ratios_the_way_the_commands_write_them(bars, tmp_path) -> None:  # type: ignore[no-untyped-def]
     work = tmp_path
-    # kvexport bench: --compare entries over the main (fp32) artifact
-    _write(work, "cpu-modes", {"prompts": {p: {"engine": {}, "other:/w/b1-cpu-int8.kvx": _other(2.6, 2.9, 0.9),
-                                               "other:/w/b1-cpu-int4.kvx": _other(3.2, 3.4, 0.95)}
-                                           for p in ("32", "512")}})
+    # kvexport bench: the quantized engine is the main one, fp32 its --compare
+    _write(work, "cpu-int8", _modes(2.6, 2.9, 0.9))
+    _write(work, "cpu-int4", _modes(3.2, 3.4, 0.95))
     # peers.py bench: ratios are the peer over the first system (kvexport's), so kvexport over it is the inverse
     _write(work, "cpu-vs-ortgenai", {"prompts": {p: {
         "/w/b1-cpu-int4.kvx": {"decode_ratio_vs_first": 1.0, "ttft_ratio_vs_first_median_round": 1.0},
@@ -150,6 +151,7 @@ def test_the_table_reads_ratios_the_way_the_commands_write_them(bars, tmp_path) 
         return next(v for k, v in rows.items() if k.startswith(prefix))
 
     assert row("`cpu` int8 decode")[1] == "met"  # 2.6x >= 2.5x, 90% of its floor
+    assert "2.60x fp32 (floors 2.90x), 90% of its floor" in row("`cpu` int8 decode")[0]
     figure, verdict = row("`cpu` int4 decode >= 4.0x")
     assert verdict == "met" and "floors 3.40x" in figure  # 3.2x is >= 90% of the floors' 3.4x (3.06x)
     assert row("`cpu` int4 decode >= 1.1x onnxruntime")[1] == "met"  # 1 / 0.8 = 1.25x
@@ -161,5 +163,10 @@ def test_the_table_reads_ratios_the_way_the_commands_write_them(bars, tmp_path) 
     assert row("quality def-cpu-int4-g32")[1] == "**missed**"  # +9% > 8%
     assert "FAILED" in row("quality def-cpu-int4-g32")[0]
     assert row("`intel` bf16")[1] == "not applicable: no AMX"
+    # an engine whose weights were not placed in huge pages where its floor's were: the fraction compares nothing
+    _write(work, "cpu-int8", _modes(2.6, 2.9, 0.5, differs="the engine has 5% of its weights' bytes in huge pages "
+                                                          "and its floor 100% (details)"))
+    figure, verdict = next((f, v) for b, f, v in bars.bars(work, ZEN4) if b.startswith("`cpu` int8 decode"))
+    assert verdict == "inconclusive" and "5% of its weights' bytes in huge pages" in figure
     amx = {bar: verdict for bar, _, verdict in bars.bars(work, AMX)}
     assert next(v for k, v in amx.items() if k.startswith("`intel` bf16")) == "not run"  # a bar there
