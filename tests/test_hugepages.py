@@ -66,6 +66,26 @@ def test_new_resident_memory_moves_to_huge_pages_with_its_bytes_and_untouched_me
     assert collapse_new(anonymous_regions()).huge_bytes == 0  # nothing new since: nothing moved
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc (Linux)")
+def test_memory_the_runtime_placed_itself_counts_as_placed() -> None:
+    """kvexport's own kernels ask for huge pages for their packed weights as they allocate them (qmatmul.c): those
+    are huge before collapse_new runs, and a count of what it moved alone would call them small pages."""
+    if not _collapse_works():
+        pytest.skip(f"transparent huge pages are {thp_mode()!r} here")
+    before = anonymous_regions()
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    region = mmap.mmap(-1, 32 << 20, flags=private)
+    region.madvise(mmap.MADV_HUGEPAGE)  # asked before the first write, as qmatmul.c does
+    weights = np.frombuffer(region, dtype=np.int32)
+    weights[:] = 7
+    already = _span(weights)["AnonHugePages"]
+    if already < 16 << 20:
+        pytest.skip(f"the kernel gave no huge pages at the first write ({already} bytes)")
+    placed = collapse_new(before)
+    assert placed.huge_bytes >= already, placed
+    assert "with what the runtime placed itself" in placed.detail or thp_mode() == "always", placed
+
+
 def test_no_proc_or_no_thp_is_said_not_done(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert collapse_new(None).detail.startswith("not available")
     never = tmp_path / "enabled"

@@ -32,7 +32,8 @@ Regions = set[tuple[int, int]]  # (start, end) of each anonymous mapping
 
 @dataclass(frozen=True)
 class Placement:
-    """What collapse_new did: bytes of the new memory now in huge pages, the time it took, and in words."""
+    """What collapse_new did: bytes of the new memory now in huge pages (moved by it, or asked for by the runtime
+    itself), the time it took, and in words."""
 
     huge_bytes: int
     seconds: float
@@ -80,6 +81,25 @@ def anon_huge_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def _huge_in(spans: list[tuple[int, int]]) -> int | None:
+    """AnonHugePages of the mappings that hold `spans` ((start, length)), from /proc/self/smaps; None where it cannot
+    be read. Memory a runtime asked huge pages for itself (kvexport's own kernels' packed weights) is huge before
+    collapse_new runs, so the growth of AnonHugePages alone undercounts what the load holds in huge pages."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    total, inside = 0, False
+    for line in text.splitlines():
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = any(start < hi and lo < start + length for start, length in spans)
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 def _minus(lo: int, hi: int, before: Regions) -> list[tuple[int, int]]:
@@ -158,13 +178,17 @@ def collapse_new(before: Regions | None) -> Placement:
             else:  # EAGAIN / ENOMEM: no free 2 MiB page for part of the span; it stays in small pages
                 failed += 1
                 errors.add(os.strerror(err))
-    huge = max(anon_huge_bytes() - had, 0)
+    moved = max(anon_huge_bytes() - had, 0)
     total = sum(length for _, length in spans)
+    held = _huge_in(spans)
+    huge = moved if held is None else min(max(held, moved), total)
     if not collapse:
         detail = (f"{total / 2**20:.0f} MiB marked MADV_HUGEPAGE; this kernel has no MADV_COLLAPSE (Linux 6.1), so "
                   "khugepaged moves them in its own time")
     else:
-        detail = f"{huge / 2**20:.0f} MiB of {total / 2**20:.0f} MiB moved to huge pages (MADV_COLLAPSE)"
+        detail = f"{moved / 2**20:.0f} MiB of {total / 2**20:.0f} MiB moved to huge pages (MADV_COLLAPSE)"
+        if huge > moved:
+            detail += f", {huge / 2**20:.0f} MiB in huge pages with what the runtime placed itself"
         if mode == "always":
             detail += "; THP is 'always' here, so pages already huge at the load are not counted"
         if failed:
