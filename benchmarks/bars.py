@@ -29,19 +29,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvexport.doctor import cpu_info, read_cpu_flags
+from kvexport_intel.isa import has_bf16  # the intel target's own test: the peers run the precision it picks
+
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers.py"
 DEFAULT_MODEL = HERE.parent / "kvexport" / "default_model"  # the trained default model (docs/default-model.md)
 MIN_FREE = 16 * 2**30  # bytes of disk a step that makes something may need
 GROUPS = ("export", "cpu", "intel", "kv", "long", "quality")
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def cpu_kind(flags: set[str]) -> str:
@@ -58,21 +53,19 @@ class Step:
     name: str  # also the file its output is kept in: results/NAME.json
     group: str
     argv: list[str]
-    makes: str | None = None  # the folder it writes (a build): skipped when it exists
+    makes: str | None = None  # the folder it writes (a build): not made again once complete
     parse_json: bool = False  # the command prints --json output (after progress lines)
-    why_not: str | None = None  # not run on this CPU, and why
 
 
 @dataclass
 class Plan:
     work: Path
     flags: set[str]
-    rounds: int
     steps: list[Step] = field(default_factory=list)
 
     @property
     def bf16(self) -> bool:
-        return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+        return has_bf16(self.flags)
 
     def p(self, name: str) -> str:
         return str(self.work / name)
@@ -84,7 +77,7 @@ def kvexport_cmd() -> list[str]:
 
 def make_plan(work: Path, flags: set[str], rounds: int = 3) -> Plan:
     """The steps, in the order they run: what each measurement needs comes before it."""
-    plan = Plan(work, flags, rounds)
+    plan = Plan(work, flags)
     kx, peers, r = kvexport_cmd(), [sys.executable, str(PEERS)], str(rounds)
     add = plan.steps.append
     b1, b125, dm = plan.p("bench-1b"), plan.p("bench-125m"), str(DEFAULT_MODEL)
@@ -113,7 +106,7 @@ def make_plan(work: Path, flags: set[str], rounds: int = 3) -> Plan:
                        ("b125-intel-int4-kvint8", ("--target", "intel", "--weights", "int4", "--group-size", "32",
                                                    "--kv", "int8"))):
         build(name, "long" if "fp32" in name and "kv" not in name else "kv", b125, *args, max_seq="4160")
-    # the trained default model, one artifact a mode (each verified against the tolerance table as it builds)
+    # the trained default model, one artifact a mode, each then verified against the tolerance table
     quality = [("def-cpu-int8", ("--target", "cpu", "--weights", "int8")),
                ("def-cpu-int4-g32", ("--target", "cpu", "--weights", "int4", "--group-size", "32")),
                ("def-cpu-int4-g128", ("--target", "cpu", "--weights", "int4", "--group-size", "128")),
@@ -179,8 +172,8 @@ def make_plan(work: Path, flags: set[str], rounds: int = 3) -> Plan:
 
 
 # --- running ------------------------------------------------------------------------------------
-def result_path(work: Path, step: Step) -> Path:
-    return work / "results" / f"{step.name}.json"
+def result_path(work: Path, name: str) -> Path:
+    return work / "results" / f"{name}.json"
 
 
 def last_json(text: str) -> object:
@@ -235,7 +228,7 @@ def complete(folder: Path) -> bool:
 
 def run(a: argparse.Namespace) -> None:
     work = Path(a.work).resolve()
-    plan = make_plan(work, cpu_flags(), a.rounds)
+    plan = make_plan(work, read_cpu_flags(), a.rounds)
     only = set(a.only.split(",")) if a.only else set(GROUPS)
     if only - set(GROUPS):
         sys.exit(f"error: --only takes {', '.join(GROUPS)}, not {', '.join(sorted(only - set(GROUPS)))}")
@@ -244,7 +237,7 @@ def run(a: argparse.Namespace) -> None:
     print(f"cpu: {cpu_kind(plan.flags)}; work folder {work} ({shutil.disk_usage(work).free / 2**30:.0f} GiB free); "
           f"{len(steps)} steps", flush=True)
     for s in steps:
-        done = result_path(work, s)
+        done = result_path(work, s.name)
         state = "kept" if done.is_file() else "exists" if s.makes and complete(Path(s.makes)) else "to run"
         if state == "to run" and s.makes and Path(s.makes).exists():
             print(f"  {s.name}: {s.makes} is there but incomplete (an interrupted or failed step): made again",
@@ -273,7 +266,7 @@ def run(a: argparse.Namespace) -> None:
 
 # --- the bars -----------------------------------------------------------------------------------
 def load(work: Path, name: str) -> dict | None:
-    f = work / "results" / f"{name}.json"
+    f = result_path(work, name)
     return json.loads(f.read_text()) if f.is_file() else None
 
 
@@ -374,7 +367,7 @@ def bars(work: Path, flags: set[str]) -> list[tuple[str, str, str]]:
     guarded("`intel` int4 g128 decode >= 1.0x OpenVINO GenAI int4 g128", "intel-int4-vs-openvino", vs_ov(1.0))
     if "amx_bf16" in flags:
         guarded("`intel` bf16 decode >= 1.1x OpenVINO GenAI bf16 (AMX)", "intel-bf16-vs-openvino", vs_ov(1.1))
-    elif {"avx512_bf16"} & flags:
+    elif has_bf16(flags):
         rec = load(work, "intel-bf16-vs-openvino")
         fig = vs_ov(1.1)(rec["output"])[0] if rec and "output" in rec else "`intel-bf16-vs-openvino` has not run"
         rows.append(("`intel` bf16 decode >= 1.1x OpenVINO GenAI bf16 (a bar for AMX CPUs)", fig + " (AVX512-BF16)",
@@ -433,7 +426,7 @@ def bars(work: Path, flags: set[str]) -> list[tuple[str, str, str]]:
                         ("def-cpu-kvint8", 1.0), ("def-intel-int8", 1.0), ("def-intel-int4-g32", 8.0),
                         ("def-intel-kvint8", 1.0), ("def-intel-bf16", 1.0)):
         rec = load(work, f"verify-{name}")
-        if name == "def-intel-bf16" and not ({"avx512_bf16", "amx_bf16"} & flags):
+        if name == "def-intel-bf16" and not has_bf16(flags):
             continue
         if rec is None or "output" not in rec:
             add(f"quality {name}: perplexity change" + (f" <= {limit}%" if limit else " (reported)"),
@@ -459,15 +452,13 @@ def quality_of(out: dict) -> dict | None:
 
 def report(a: argparse.Namespace) -> None:
     work = Path(a.work).resolve()
-    flags = cpu_flags()
+    flags = read_cpu_flags()
     rows = bars(work, flags)
     if getattr(a, "json", False):
         print(json.dumps({"cpu": cpu_kind(flags), "bars": [dict(zip(("bar", "figure", "verdict"), r)) for r in rows]},
                          indent=1))
         return
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("model name")), "unknown")
-    print(f"\n{model}: {cpu_kind(flags)}; figures from {work}\n")
+    print(f"\n{cpu_info()['model']}: {cpu_kind(flags)}; figures from {work}\n")
     print("| bar | this run | |\n|---|---|---|")
     for bar, figure, v in rows:
         print(f"| {bar} | {figure} | {v} |")

@@ -189,7 +189,7 @@ def collapse_new(before: Regions | None) -> Placement:
         detail = f"{moved / 2**20:.0f} MiB of {total / 2**20:.0f} MiB moved to huge pages (MADV_COLLAPSE)"
         if huge > moved:
             detail += f", {huge / 2**20:.0f} MiB in huge pages with what the runtime placed itself"
-        if mode == "always":
+        if mode == "always" and held is None:
             detail += "; THP is 'always' here, so pages already huge at the load are not counted"
         if failed:
             detail += f"; {failed} of {len(spans)} spans kept small pages ({', '.join(sorted(errors))})"
