@@ -12,6 +12,7 @@ from kvexport.backends import (AutoMode, Backend, BuildOptions, Capabilities, Op
 from kvexport.doctor import cpu_info
 from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, KvexportError
 from kvexport.manifest import Manifest
+from kvexport.runtime.hugepages import Placement, anonymous_regions, collapse_new
 from kvexport.runtime.ring import RingSpec
 from kvexport_intel import compress, isa, numa
 from kvexport_intel.session import KV_ITEM_BYTES, LOSSLESS_KV, IntelSession
@@ -51,6 +52,8 @@ OPTIONS = (
     Option("paged_split", "bool", False, "the paged-attention form runs each packed q|k|v and gate|up projection as "
            "one matmul per piece: prompts a few percent faster at thousands of tokens, decode steps 2-8% slower, and "
            "f32 weights' projections copied into the process", phase="load"),
+    Option("huge_pages", "bool", True, "place the weights the plugin prepares (its repacked or converted copies, made "
+           "at load by one warm-up token) in huge pages", phase="load"),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
            "where every layer slides); false keeps them full length, on the fused attention and paged attention"),
     Option("int4_sym", "bool", False, "int4 weights symmetric (NNCF INT4_SYM, no zero points) instead of "
@@ -325,6 +328,8 @@ class IntelBackend(Backend):
         threads = threads or built.get("threads") or placement["threads"]
         compressed = (target.get("weights") or {}).get("dtype") in compress.BLOCK_MODES
         config = _compile_config(precision, kv, int(threads), pinned=True, compressed=compressed)
+        huge = parse_bool("huge_pages", options.get("huge_pages", True))
+        before = anonymous_regions() if huge else None  # what the plugin maps from here on is the engine's
         core = ov.Core()  # made after pinning, so the plugin's CPU map sees the node's cores
         try:
             compiled = core.compile_model(lowering.read_engine(core, xml), "CPU", config)
@@ -359,6 +364,11 @@ class IntelBackend(Backend):
         eager = (options.get("paged_compile") or "load") == "load"
         why = session.compile_long_prompt_form() if eager else "paged_compile=first_use"
         facts["paged_compile"] = "at load" if why is None else f"on first use ({why})"
+        if eager:  # OpenVINO's CPU plugin repacks (under bf16 converts) a dynamic model's weights on its first infer
+            t0 = time.perf_counter()
+            session.warm_up()
+            facts["warm_up_s"] = round(time.perf_counter() - t0, 3)
+        facts["huge_pages"] = place_weights(before, None if eager else "paged_compile=first_use").record()
         return session
 
     @staticmethod
@@ -475,6 +485,18 @@ def _compile_config(precision: str, kv: str, threads: int, pinned: bool, compres
     # int8/int4 weights keep the plugin's default, activations quantized per group of 32 into the compressed
     # matmuls: what OpenVINO GenAI runs, and faster here (docs/backends/intel.md); their rows include its error
     return config
+
+
+def place_weights(before: Any, why_not: str | None) -> Placement:
+    """The weights the plugin prepared for itself, in huge pages (kvexport.runtime.hugepages): what was mapped since
+    `before` (taken before the compile), after the load's warm-up token (IntelSession.warm_up) had the plugin make
+    its copies. It streams them every decode step, and in 4 KiB pages a step walks a page-table entry every 4 KiB.
+    `before` None: the load option huge_pages=false; `why_not`: no warm-up ran, so there is nothing to place yet."""
+    if before is None:
+        return Placement(0, 0.0, "off (load option huge_pages=false)", asked=False)
+    if why_not is not None:
+        return Placement(0, 0.0, f"not placed: {why_not} leaves the plugin's weights to the first request")
+    return collapse_new(before)
 
 
 def place(numa_node: Any, bind: bool) -> dict[str, Any]:

@@ -245,6 +245,16 @@ class IntelSession(Session):
             return "no prompt this engine holds takes the paged form"
         return self.prefill_model()[1]
 
+    def warm_up(self) -> None:
+        """One token through the path a fresh one-row request takes (paged or the state's), so that the plugin
+        prepares its weights now rather than inside the first request's time; its request and block cache go back
+        to the pools, as a finished request's do."""
+        state = self.new_state(1, 1)
+        try:
+            self.step(state, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), np.ones((1, 1, 1, 1), bool))
+        finally:
+            self.release(state)
+
     # --- state -----------------------------------------------------------------------------
     def new_state(self, batch: int, capacity: int) -> IntelState:
         if batch < 1:

@@ -296,3 +296,37 @@ def test_the_i8_cache_passes_the_kv_int8_row_on_the_trained_model(builds: _Build
     assert t["top1_agreement"] >= row.min_top1_agreement and t["mean_kl"] <= row.max_mean_kl, t
     assert t["max_kl"] <= row.max_max_kl and abs(t["ppl_change"]) <= min(row.max_ppl_change, 0.01), t
     assert t["mean_kl"] > 1e-7  # the blocks really are rounded
+
+
+
+def test_the_plugins_weight_copies_are_placed_in_huge_pages_after_a_warm_up_token(builds: _Builds) -> None:
+    """OpenVINO's CPU plugin makes some of its weight copies on a model's first infer (on bench-1b int8 all 1.1 GB of
+    them: docs/backends/intel.md), so the load runs one warm-up token through the path a fresh request takes (here
+    paged: its block cache then waits in the pool for the first request) before it moves what the plugin mapped to
+    huge pages, where THP can collapse. huge_pages=false leaves them (the warm-up still runs); paged_compile=first_use
+    has no warm-up and nothing placed; the logits are the same every way; the option takes a boolean only."""
+    from kvexport.runtime.hugepages import thp_mode
+
+    art = builds["fp32"]
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    logits, records, pooled = {}, {}, {}
+    for name, opts in {"load": {}, "first_use": {"paged_compile": "first_use"}, "off": {"huge_pages": "false"}}.items():
+        engine = kvexport.load(str(art), **opts)
+        records[name], pooled[name] = engine.session.describe(), len(engine.session._row_pool)
+        logits[name] = engine.prefill(ids).logits
+    np.testing.assert_array_equal(logits["load"], logits["first_use"])
+    np.testing.assert_array_equal(logits["load"], logits["off"])
+    assert pooled == {"load": 1, "first_use": 0, "off": 1}, pooled
+    assert records["load"]["long_prefill"] == "paged attention, decode paged" and records["load"]["warm_up_s"] >= 0
+
+    placed = records["load"]["huge_pages"]
+    assert placed["asked"] is True and placed["detail"], placed
+    if thp_mode() in ("always", "madvise") and not any(s in placed["detail"] for s in ("no MADV_COLLAPSE",
+                                                                                        "kept small pages")):
+        assert placed["huge_bytes"] >= 2 << 20, placed  # the plugin's copies and its compiled graph's memory
+    assert records["first_use"]["huge_pages"]["detail"].startswith("not placed: paged_compile=first_use")
+    assert "warm_up_s" not in records["first_use"] and "long_prefill" not in records["first_use"]
+    assert records["off"]["huge_pages"] == {"asked": False, "huge_bytes": 0, "seconds": 0.0,
+                                            "detail": "off (load option huge_pages=false)"}
+    with pytest.raises(InputError, match="huge_pages"):
+        kvexport.load(str(art), huge_pages="sometimes")
