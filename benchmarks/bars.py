@@ -164,7 +164,8 @@ def make_plan(work: Path, flags: set[str], rounds: int = 3) -> Plan:
     bench("intel-kv-4096", "kv", plan.p("b125-intel-int4-kvint8.kvx"), "--option", "precision=fp32", "--variant",
           "kv_precision=f32", "--prompt-lens", "4096", "--no-floor", "--step-pairs")
     vs_peers("long-fp32-vs-openvino", "long", plan.p("b125-intel-fp32.kvx") + "@precision=fp32",
-             plan.p("b125-cpu-fp32.kvx"), p125 + "/openvino-fp32@kv=f32,precision=f32", "--prompt-lens", "4096")
+             plan.p("b125-cpu-fp32.kvx"), p125 + "/openvino-fp32@kv=f32,precision=f32", "--prompt-lens", "4096",
+             "--step-blocks", "16")
     vs_peers("long-kv8-vs-openvino", "kv", plan.p("b125-intel-int4-kvint8.kvx") + "@precision=fp32",
              plan.p("b125-cpu-int4-kvint8.kvx"), p125 + "/openvino-int4-g32@kv=u8,precision=f32",
              "--prompt-lens", "4096", "--step-blocks", "16")
