@@ -91,6 +91,21 @@ def test_nominal_matrices_follow_the_recorded_weight_mode() -> None:
         k * n for k, n in linear_shapes(cfg))
 
 
+def test_per_channel_weights_get_a_block_a_floor_can_run() -> None:
+    """NNCF's int8 (one scale per output channel) is recorded with group -1 by the intel target: its matrices got
+    block -1, negative bytes, a negative bandwidth bound, and a floor that could not be built (`kvexport bench` on an
+    intel int8 artifact died). They now take MatMulNBits' largest block, their bytes within 2% of per channel."""
+    cfg = map_config({**TINY_CONFIGS["llama"], "hidden_size": 768, "intermediate_size": 2048})
+    for group in (-1, None, 0):
+        int8 = nominal_gemvs(cfg, "int8", group)
+        assert {g.block_size for g in int8} == {256}, int8
+        for g in int8:
+            assert g.n * (g.k + 4) <= g.nbytes <= 1.02 * g.n * (g.k + 4), g
+    narrow = nominal_gemvs(map_config(TINY_CONFIGS["llama"]), "int8", -1)  # hidden 64: a block covering k
+    assert all(g.block_size in (16, 32, 64, 128, 256) and g.block_size >= g.k and g.nbytes > 0 for g in narrow)
+    assert GemvFloor(None, threads=1, gemvs=narrow).measure(steps=2) > 0
+
+
 def test_compared_engines_get_per_round_ratios_and_each_its_own_floor(artifacts: dict[str, Path]) -> None:
     import kvexport
 
