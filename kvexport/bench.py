@@ -521,6 +521,10 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     assert not floors or set(floor_of) == {key for key, _ in timed}, "a floor for each engine timed, made by Floors.add"
     report["native_kernels"] = {key: k for key, e in timed if (k := native_kernels(e))}
     report["huge_pages"] = {key: p.record() for key, p in placed.items()}
+    for key, e in timed:  # an engine that places memory its floor does not mirror (the intel target's plugin copies)
+        record = e.session.describe().get("huge_pages")
+        if key not in placed and isinstance(record, dict):
+            report["huge_pages"][key] = record
     report["huge_pages"].update({f"{label} floor": f.huge_pages.record() for label, f in floors.items()})
     hf = HFBaseline(reference, threads) if baselines and reference is not None else None
     engine_rss = 0.0

@@ -78,6 +78,9 @@ def test_bench_prints_measured_figures_or_says_not_measured(intel_artifacts: dic
     assert "kv not measured (the state holds this request; OpenVINO returns its u8" in text
     assert "copied/step 0 B" not in text
     assert np.isfinite(e["decode_tok_s"])
+    # where each engine's weight copies lie, as its load placed them (kvexport_intel.place_weights)
+    assert {k: v["asked"] for k, v in r["huge_pages"].items()} == {"engine": True, "other:u8": True}, r["huge_pages"]
+    assert f"huge pages: engine: {r['huge_pages']['engine']['detail']}" in text
 
 
 def test_bench_measures_a_paged_request(intel_artifacts: dict) -> None:
