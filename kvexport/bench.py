@@ -522,8 +522,7 @@ def run_bench(engine: Engine, *, reference: Path | None, prompt_lens: tuple[int,
     report["native_kernels"] = {key: k for key, e in timed if (k := native_kernels(e))}
     report["huge_pages"] = {key: p.record() for key, p in placed.items()}
     for key, e in timed:  # an engine that places memory its floor does not mirror (the intel target's plugin copies)
-        record = e.session.describe().get("huge_pages")
-        if key not in placed and isinstance(record, dict):
+        if key not in placed and isinstance(record := e.session.describe().get("huge_pages"), dict):
             report["huge_pages"][key] = record
     report["huge_pages"].update({f"{label} floor": f.huge_pages.record() for label, f in floors.items()})
     hf = HFBaseline(reference, threads) if baselines and reference is not None else None

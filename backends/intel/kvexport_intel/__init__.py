@@ -12,7 +12,7 @@ from kvexport.backends import (AutoMode, Backend, BuildOptions, Capabilities, Op
 from kvexport.doctor import cpu_info
 from kvexport.errors import ArtifactError, BackendUnavailableError, InputError, KvexportError
 from kvexport.manifest import Manifest
-from kvexport.runtime.hugepages import Placement, anonymous_regions, collapse_new
+from kvexport.runtime.hugepages import Placement, Regions, anonymous_regions, collapse_new
 from kvexport.runtime.ring import RingSpec
 from kvexport_intel import compress, isa, numa
 from kvexport_intel.session import KV_ITEM_BYTES, LOSSLESS_KV, IntelSession
@@ -487,7 +487,7 @@ def _compile_config(precision: str, kv: str, threads: int, pinned: bool, compres
     return config
 
 
-def place_weights(before: Any, why_not: str | None) -> Placement:
+def place_weights(before: Regions | None, why_not: str | None) -> Placement:
     """The weights the plugin prepared for itself, in huge pages (kvexport.runtime.hugepages): what was mapped since
     `before` (taken before the compile), after the load's warm-up token (IntelSession.warm_up) had the plugin make
     its copies. It streams them every decode step, and in 4 KiB pages a step walks a page-table entry every 4 KiB.
