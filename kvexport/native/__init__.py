@@ -12,7 +12,9 @@ attributes; the file is not changed (docs/backends/cpu.md):
   over an int8 cache (`--kv int8`) it takes: the same bytes stored, the attention in fp32 over them, in another order.
   Such nodes sit in the one-token branch of the engine's own If (kvexport.backends.cpu_kv); where the op's tiled
   prompt kernel runs (AVX-512, head size 64 or 128), that If's condition becomes "several new tokens in several batch
-  rows", so one row's prompt runs the op too.
+  rows", so one row's prompt runs the op too. With AVX512-VNNI that prompt kernel takes the scores and the weighted
+  values in int16 x int8 (each query row scaled to 15 bits, the weights to 1/32767): outputs within about 1e-4 of the
+  fp32 order's, far inside what the int8 cache itself moves them (docs/backends/cpu.md).
 - `ai.kvexport.Fp32CacheAttention` (the same kernel over a float cache, and a tiled one for prompts on AVX-512 at
   head size 64 or 128), likewise, for every `GroupQueryAttention` of an fp32-cache engine it takes: each such node goes
   under an If on "one new token" (or, where the tiled kernel runs, "one new token or one batch row"), ONNX
@@ -34,7 +36,7 @@ FP32_ATTENTION_OP = "Fp32CacheAttention"
 LIBRARY = Path(__file__).with_name("libkvexport_native.so")
 REQUIRE_ENV = "KVEXPORT_REQUIRE_NATIVE"  # set (CI): a missing library is an error, not a fallback
 ISA_ENV = "KVEXPORT_QMATMUL_ISA"  # "avx2": the AVX2 kernel on a CPU that has AVX512-VNNI as well
-ATTENTION_ISA_ENV = "KVEXPORT_ATTENTION_ISA"  # "avx2": the attention's AVX2 kernel on a CPU with AVX-512 too
+ATTENTION_ISA_ENV = "KVEXPORT_ATTENTION_ISA"  # "avx512" or "avx2": that narrower attention kernel on a wider CPU
 TILED_HEAD_SIZES = (64, 128)  # the head sizes attention.c's tiled prompt kernel takes (AVX-512 only)
 
 
@@ -49,8 +51,9 @@ class Kernel:
     theirs: str = "onnxruntime MatMulNBits"
 
     def for_fp32(self) -> "Kernel":
-        """The same choice, named for the fp32-cache op."""
-        return Kernel(self.usable, self.isa, self.why, **FP32_ATTENTION_NAMES)
+        """The same choice, named for the fp32-cache op (which has no VNNI form: its keys are float)."""
+        isa = "avx512" if self.isa == "avx512-vnni" else self.isa
+        return Kernel(self.usable, isa, self.why, **FP32_ATTENTION_NAMES)
 
     def record(self, swapped: int = 0) -> dict[str, Any]:
         name = f"{self.ours} ({self.isa})" if self.usable and swapped else self.theirs
@@ -94,9 +97,13 @@ def _unbuilt(library: Path) -> str | None:
 
 def _choose(isa: str, env: str, library: Path | None, lacking: str, **names: str) -> Kernel:
     """The Kernel record for an op whose best ISA on this CPU is `isa` ("" for none): `env`=avx2 takes its AVX2
-    kernel instead (the library reads the same variable; tests run both kernels where the CPU has both)."""
-    if isa and os.environ.get(env) == "avx2":
+    kernel instead, and the attention's `env`=avx512 its AVX-512 kernel without VNNI (the library reads the same
+    variable; tests run every kernel the CPU has)."""
+    ask = os.environ.get(env)
+    if isa and ask == "avx2":
         isa = "avx2"
+    elif env == ATTENTION_ISA_ENV and isa == "avx512-vnni" and ask == "avx512":
+        isa = "avx512"
     why = _unbuilt(LIBRARY if library is None else library)
     if why:
         return Kernel(False, "", why, **names)
@@ -112,6 +119,8 @@ def kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel
 
 
 def attention_isa_of(flags: set[str]) -> str:
+    if {"avx512f", "avx512bw", "avx512_vnni", "fma"} <= flags:
+        return "avx512-vnni"  # attention.c's cpu_isa() 3: an int8 cache's prompts in int16
     if {"avx512f", "fma"} <= flags:
         return "avx512"
     if {"avx2", "fma"} <= flags:
@@ -305,7 +314,7 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
     ai.kvexport.QMatMul, and with `attention` each GroupQueryAttention over an int8 cache the attention op takes
     into ai.kvexport.Int8CacheAttention, in place, in every subgraph, and each one over the main graph's float
     caches that the fp32 op takes under an If that runs ai.kvexport.Fp32CacheAttention for one new token
-    (_one_token_branch; on `attention_isa` avx512, at a head size in TILED_HEAD_SIZES, also for a prompt of one
+    (_one_token_branch; on `attention_isa` avx512 or avx512-vnni, at a head size in TILED_HEAD_SIZES, also for a prompt of one
     batch row, which its tiled kernel takes; the int8 engine's own Ifs likewise, _int8_prompts_to_the_op); the
     numbers swapped (matmuls, attentions of either kind).
     `huge_pages`: whether the matmul kernel asks for huge pages for its packed weights."""
@@ -326,7 +335,7 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
         made = []
         for node in g.node:
             if takes_fp32_attention(node, caches):
-                prompts = attention_isa == "avx512" and _head_size(g, node.input[3]) in TILED_HEAD_SIZES
+                prompts = attention_isa.startswith("avx512") and _head_size(g, node.input[3]) in TILED_HEAD_SIZES
                 made.extend(_one_token_branch(g, node, prompts))
                 m += 1
             else:
@@ -334,7 +343,7 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
         if len(made) != len(g.node):
             del g.node[:]
             g.node.extend(made)
-        if attention_isa == "avx512":
+        if attention_isa.startswith("avx512"):
             _int8_prompts_to_the_op(g)
     if (n or m) and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))

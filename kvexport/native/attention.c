@@ -45,7 +45,7 @@ typedef struct {
   int64_t H, KV;
   float scale; /* 0: 1 / sqrt(D) */
   int rotary;
-  int isa; /* 2: AVX-512, 1: AVX2 + FMA */
+  int isa; /* cpu_isa() */
   int f32; /* Fp32CacheAttention: the cache is float, no scales */
 } AKernel;
 
@@ -359,7 +359,7 @@ __attribute__((target("avx512f,fma"))) static void attend_avx512(const AJob *J, 
 
 static void attend_task(void *data, size_t task) {
   const AJob *J = (const AJob *)data;
-  if (J->isa == 2)
+  if (J->isa >= 2)
     attend_avx512(J, task);
   else
     attend_run_avx2(J, task);
@@ -375,7 +375,7 @@ static void attend_task(void *data, size_t task) {
  * key scale is in the query, as for one token) and its value rows into a float copy of their own, the value scale
  * applied once per channel to the output. */
 #define PT_ROWS 24
-#define PT_KEYS 64
+#define PT_KEYS 128
 #define PT_MAX_D 128
 
 typedef struct {
@@ -390,12 +390,55 @@ typedef struct {
   const float *bias;
   int64_t bb, bh, bs;
   float *out; /* (B, S, H, D) */
+  int vnni;      /* an int8 cache with AVX512-VNNI: kt16 and vw16 instead of kt and vw */
+  int16_t *kt16; /* (B, KV, blocks, D / 2, 16, 2): 16 keys by D / 2 channel pairs a block */
+  int16_t *vw16; /* (B, KV, blocks * 8, D, 2): value rows two at a time, each channel's pair adjacent */
 } PJob;
 
 #define PT_TRANSPOSE_BLOCKS 16 /* 16-key blocks a transposing task takes */
 
+/* the VNNI copies of blocks b0 .. b1 - 1 of one KV head (head size 64 or 128): each key row widened to int16 and
+ * its channel pairs transposed 16 keys at a time; each pair of value rows widened and interleaved channel by
+ * channel */
+__attribute__((target("avx512f,avx512bw"))) static void transpose_vnni(const PJob *J, int64_t bk, int64_t b0,
+                                                                        int64_t b1) {
+  const int64_t D = J->D, max_seq = J->max_seq;
+  const int8_t *K8 = (const int8_t *)J->kc + bk * max_seq * D, *V8 = (const int8_t *)J->vc + bk * max_seq * D;
+  for (int64_t blk = b0; blk < b1; blk++) {
+    int16_t *to = J->kt16 + (bk * J->blocks + blk) * D * 16;
+    for (int64_t u = 0; u < D / 32; u++) { /* channel pairs 16u .. 16u + 15 of 16 keys */
+      __m512 r[16];
+      for (int64_t j = 0; j < 16; j++) {
+        const int64_t row = blk * 16 + j;
+        r[j] = row < max_seq ? _mm512_castsi512_ps(_mm512_cvtepi8_epi16(
+                                   _mm256_loadu_si256((const __m256i *)(K8 + row * D + u * 32))))
+                             : _mm512_setzero_ps();
+      }
+      transpose16(r);
+      for (int64_t c = 0; c < 16; c++) _mm512_storeu_ps((float *)(to + ((u * 16 + c) * 16) * 2), r[c]);
+    }
+    int16_t *vto = J->vw16 + (bk * J->blocks + blk) * 8 * D * 2;
+    for (int64_t jp = 0; jp < 8; jp++) {
+      const int64_t ra = blk * 16 + 2 * jp, rb = ra + 1;
+      for (int64_t c = 0; c < D / 16; c++) {
+        const __m512i a = ra < max_seq ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(V8 + ra * D + c * 16)))
+                                       : _mm512_setzero_si512();
+        const __m512i b = rb < max_seq ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(V8 + rb * D + c * 16)))
+                                       : _mm512_setzero_si512();
+        _mm512_storeu_si512((void *)(vto + (jp * D + c * 16) * 2),
+                            _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(b, 16)));
+      }
+    }
+  }
+}
+
 static void transpose_task(void *data, size_t task) {
   const PJob *J = (const PJob *)data;
+  if (J->vnni) {
+    const int64_t per = (J->blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS, b0 = ((int64_t)task % per) * PT_TRANSPOSE_BLOCKS;
+    transpose_vnni(J, (int64_t)task / per, b0, b0 + PT_TRANSPOSE_BLOCKS < J->blocks ? b0 + PT_TRANSPOSE_BLOCKS : J->blocks);
+    return;
+  }
   const int64_t D = J->D, per = (J->blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS;
   const int64_t bk = (int64_t)task / per, b0 = ((int64_t)task % per) * PT_TRANSPOSE_BLOCKS;
   const int64_t b1 = b0 + PT_TRANSPOSE_BLOCKS < J->blocks ? b0 + PT_TRANSPOSE_BLOCKS : J->blocks;
@@ -423,6 +466,8 @@ static void transpose_task(void *data, size_t task) {
 typedef struct {
   float Q[PT_ROWS * PT_MAX_D] __attribute__((aligned(64)));
   float O[PT_ROWS * PT_MAX_D] __attribute__((aligned(64)));
+  int16_t Q16[PT_ROWS * PT_MAX_D] __attribute__((aligned(64))); /* VNNI: Q as int16, row r times 1 / qs[r] */
+  float qs[PT_ROWS];
   float m[PT_ROWS], l[PT_ROWS];
   int64_t last[PT_ROWS], s0, nr;
 } PGroup;
@@ -474,7 +519,7 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_
       memset(x, 0, PT_KEYS * sizeof(float));
       continue;
     }
-    const float mnew = top > R->m[r] ? top : R->m[r], alpha = R->m[r] == -INFINITY ? 0.f : expf(R->m[r] - mnew);
+    const float mnew = top > R->m[r] ? top : R->m[r], alpha = R->m[r] == -INFINITY ? 0.f : (mnew == R->m[r] ? 1.f : expf(R->m[r] - mnew));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
       const __m512 e = _mm512_maskz_mov_ps(valid[sb], exp16(_mm512_sub_ps(_mm512_load_ps(x + sb * 16),
@@ -503,15 +548,114 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_
   }
 }
 
+
+/* The same step over an int8 cache with AVX512-VNNI: the scores are int16 queries (each row scaled to its largest
+ * channel, 15 bits) times the int8 keys widened to int16, two channels a lane by vpdpwssd into int32, so that each
+ * instruction does the work of two float FMAs; the weights, at most 1 after the running max is taken off, go to
+ * int16 as round(p * 32767) and the values, int8 widened, are summed two keys a lane the same way, each step's sum
+ * added to the float output times 1 / 32767. The float softmax (max, exp, sum) is the float kernel's: l sums the
+ * weights before rounding. Sums stay within int32: at most 2 x 128 x 32767 x 128 per score, 64 x 32767 x 128 per
+ * value channel. */
+#define P16_SCALE 32767.f
+
+/* acc += pairs of int16 of a times the pair at *b (broadcast), by lane. Written out because GCC 12 copies the
+ * accumulator of _mm512_dpwssd_epi32 through other registers and the stack: twice the instructions. */
+__attribute__((target("avx512f,avx512vnni"), always_inline)) static inline __m512i dpwssd_bcst(__m512i acc, __m512i a,
+                                                                                           const int32_t *b) {
+  __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*b));
+  return acc;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline void prompt_step_vnni(
+    const PJob *J, PGroup *R, const int16_t *KT, const int16_t *V, int64_t b, int64_t kvh, int64_t k0, int64_t nk,
+    float *P, int16_t *P16, const int PD) {
+  const int64_t G = J->G, nb = (nk + 15) / 16;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int32_t *Q32 = (const int32_t *)R->Q16;
+  for (int64_t sb = 0; sb < nb; sb++) {
+    const int16_t *kt = KT + (k0 / 16 + sb) * PD * 16;
+    __m512i acc[PT_ROWS];
+#pragma GCC unroll 24
+    for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_setzero_si512();
+    for (int c = 0; c < PD / 2; c++) {
+      const __m512i kv = _mm512_load_si512((const void *)(kt + c * 32));
+#pragma GCC unroll 24
+      for (int r = 0; r < PT_ROWS; r++) acc[r] = dpwssd_bcst(acc[r], kv, Q32 + r * (PD / 2) + c);
+    }
+#pragma GCC unroll 24
+    for (int r = 0; r < PT_ROWS; r++) _mm512_store_ps(P + r * PT_KEYS + sb * 16, _mm512_cvtepi32_ps(acc[r]));
+  }
+  for (int64_t r = 0; r < PT_ROWS; r++) {
+    float *x = P + r * PT_KEYS;
+    int16_t *p16 = P16 + r * PT_KEYS;
+    if (r >= R->nr || R->last[r] < k0) {
+      memset(p16, 0, PT_KEYS * sizeof(int16_t));
+      continue;
+    }
+    const int64_t i = r / G, g = r % G;
+    const float *bias = J->bias == NULL ? NULL
+                        : J->bias + b * J->bb + (kvh * G + g) * J->bh + (R->s0 + i) * J->bs + k0;
+    const __m512 qs = _mm512_set1_ps(R->qs[r]);
+    __mmask16 valid[PT_KEYS / 16];
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(k0 + sb * 16)));
+      valid[sb] = sb < nb ? _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)R->last[r])) : 0;
+      __m512 v = _mm512_mul_ps(_mm512_maskz_load_ps(valid[sb], x + sb * 16), qs);
+      if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(valid[sb], bias + sb * 16));
+      v = _mm512_mask_blend_ps(valid[sb], _mm512_set1_ps(-INFINITY), v);
+      _mm512_store_ps(x + sb * 16, v);
+      mx = _mm512_max_ps(mx, v);
+    }
+    const float top = _mm512_reduce_max_ps(mx);
+    if (top == -INFINITY) {
+      memset(p16, 0, PT_KEYS * sizeof(int16_t));
+      continue;
+    }
+    const float mnew = top > R->m[r] ? top : R->m[r], alpha = R->m[r] == -INFINITY ? 0.f : (mnew == R->m[r] ? 1.f : expf(R->m[r] - mnew));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
+      const __m512 e = _mm512_maskz_mov_ps(valid[sb], exp16(_mm512_sub_ps(_mm512_load_ps(x + sb * 16),
+                                                                          _mm512_set1_ps(mnew))));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_store_si256((__m256i *)(p16 + sb * 16),
+                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(e, _mm512_set1_ps(P16_SCALE)))));
+    }
+    R->l[r] = R->l[r] * alpha + _mm512_reduce_add_ps(sum);
+    R->m[r] = mnew;
+    if (alpha != 1.f)
+      for (int c = 0; c < PD / 16; c++)
+        _mm512_store_ps(R->O + r * PD + c * 16, _mm512_mul_ps(_mm512_load_ps(R->O + r * PD + c * 16), _mm512_set1_ps(alpha)));
+  }
+  const int32_t *P32 = (const int32_t *)P16;
+  const int64_t pairs = (nk + 1) / 2;
+  for (int c = 0; c < PD / 16; c++) {
+    __m512i acc[PT_ROWS];
+#pragma GCC unroll 24
+    for (int r = 0; r < PT_ROWS; r++) acc[r] = _mm512_setzero_si512();
+    for (int64_t jp = 0; jp < pairs; jp++) {
+      const __m512i v = _mm512_load_si512((const void *)(V + ((k0 / 2 + jp) * PD + c * 16) * 2));
+#pragma GCC unroll 24
+      for (int r = 0; r < PT_ROWS; r++) acc[r] = dpwssd_bcst(acc[r], v, P32 + r * (PT_KEYS / 2) + jp);
+    }
+#pragma GCC unroll 24
+    for (int r = 0; r < PT_ROWS; r++)
+      _mm512_store_ps(R->O + r * PD + c * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(1.f / P16_SCALE),
+                                                               _mm512_load_ps(R->O + r * PD + c * 16)));
+  }
+}
+
 #define PT_GROUPS 4 /* row groups a task takes, each 64-key step read once for all of them */
 
-__attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_rows(const PJob *J, size_t task,
-                                                                                    const int PD) {
+/* A task's row groups: their queries (and with VNNI, each row as int16 at 32767 / its largest magnitude), running
+ * softmax state and last rows; returns how many groups, and the last key any of them attends to in *maxlast. */
+__attribute__((target("avx512f,fma"), always_inline)) static inline int64_t prompt_groups(const PJob *J, size_t task,
+                                                                                          PGroup *R, int64_t *maxlast,
+                                                                                          const int PD, const int VNNI) {
   const int64_t G = J->G, b = (int64_t)task / (J->KV * J->tiles), kvh = ((int64_t)task / J->tiles) % J->KV;
   const int64_t first = ((int64_t)task % J->tiles) * J->tok * PT_GROUPS; /* the task's first token */
-  PGroup R[PT_GROUPS];
-  float P[PT_ROWS * PT_KEYS] __attribute__((aligned(64)));
-  int64_t maxlast = -1, groups = 0;
+  int64_t groups = 0;
+  *maxlast = -1;
   for (int64_t q = 0; q < PT_GROUPS && first + q * J->tok < J->S; q++, groups++) {
     PGroup *g_ = &R[q];
     g_->s0 = first + q * J->tok;
@@ -519,23 +663,31 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_
     g_->nr = ntok * G;
     memset(g_->Q, 0, sizeof(float) * PT_ROWS * PD);
     memset(g_->O, 0, sizeof(float) * PT_ROWS * PD);
+    if (VNNI) memset(g_->Q16, 0, sizeof(int16_t) * PT_ROWS * PD);
     for (int64_t r = 0; r < PT_ROWS; r++) {
-      g_->m[r] = -INFINITY, g_->l[r] = 0.f, g_->last[r] = -1;
+      g_->qs[r] = 0.f, g_->m[r] = -INFINITY, g_->l[r] = 0.f, g_->last[r] = -1;
       if (r >= g_->nr) continue;
       const int64_t i = r / G, g = r % G;
-      memcpy(g_->Q + r * PD, J->q + ((b * J->S + g_->s0 + i) * J->H + kvh * G + g) * PD, PD * sizeof(float));
+      const float *x = J->q + ((b * J->S + g_->s0 + i) * J->H + kvh * G + g) * PD;
+      if (VNNI) {
+        float top = 0.f;
+        for (int d = 0; d < PD; d++) top = fabsf(x[d]) > top ? fabsf(x[d]) : top;
+        const float to16 = top > 0.f ? 32767.f / top : 0.f;
+        g_->qs[r] = top / 32767.f;
+        for (int d = 0; d < PD; d++) g_->Q16[r * PD + d] = (int16_t)nearbyintf(x[d] * to16);
+      } else
+        memcpy(g_->Q + r * PD, x, PD * sizeof(float));
       g_->last[r] = J->last[b * J->S + g_->s0 + i];
-      maxlast = g_->last[r] > maxlast ? g_->last[r] : maxlast;
+      *maxlast = g_->last[r] > *maxlast ? g_->last[r] : *maxlast;
     }
   }
-  const float *KT = J->kt + (b * J->KV + kvh) * J->blocks * PD * 16;
-  const float *V = J->f32 ? (const float *)J->vc + (b * J->KV + kvh) * J->max_seq * PD
-                          : J->vw + (b * J->KV + kvh) * J->blocks * 16 * PD;
+  return groups;
+}
+
+/* each group's rows, normalized (and an int8 cache's value scale applied), to the output */
+static inline void prompt_out(const PJob *J, size_t task, const PGroup *R, int64_t groups, const int PD) {
+  const int64_t G = J->G, b = (int64_t)task / (J->KV * J->tiles), kvh = ((int64_t)task / J->tiles) % J->KV;
   const float *vs = J->f32 ? NULL : J->vs + kvh * PD;
-  for (int64_t k0 = 0; k0 <= maxlast; k0 += PT_KEYS) {
-    const int64_t nk = maxlast + 1 - k0 < PT_KEYS ? maxlast + 1 - k0 : PT_KEYS;
-    for (int64_t q = 0; q < groups; q++) prompt_step(J, &R[q], KT, V, b, kvh, k0, nk, P, PD);
-  }
   for (int64_t q = 0; q < groups; q++)
     for (int64_t r = 0; r < R[q].nr; r++) {
       const int64_t i = r / G, g = r % G;
@@ -548,6 +700,40 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_
     }
 }
 
+__attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_rows(const PJob *J, size_t task,
+                                                                                    const int PD) {
+  const int64_t b = (int64_t)task / (J->KV * J->tiles), kvh = ((int64_t)task / J->tiles) % J->KV;
+  PGroup R[PT_GROUPS];
+  float P[PT_ROWS * PT_KEYS] __attribute__((aligned(64)));
+  int64_t maxlast;
+  const int64_t groups = prompt_groups(J, task, R, &maxlast, PD, 0);
+  const float *KT = J->kt + (b * J->KV + kvh) * J->blocks * PD * 16;
+  const float *V = J->f32 ? (const float *)J->vc + (b * J->KV + kvh) * J->max_seq * PD
+                          : J->vw + (b * J->KV + kvh) * J->blocks * 16 * PD;
+  for (int64_t k0 = 0; k0 <= maxlast; k0 += PT_KEYS) {
+    const int64_t nk = maxlast + 1 - k0 < PT_KEYS ? maxlast + 1 - k0 : PT_KEYS;
+    for (int64_t q = 0; q < groups; q++) prompt_step(J, &R[q], KT, V, b, kvh, k0, nk, P, PD);
+  }
+  prompt_out(J, task, R, groups, PD);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline void prompt_rows_vnni(
+    const PJob *J, size_t task, const int PD) {
+  const int64_t b = (int64_t)task / (J->KV * J->tiles), kvh = ((int64_t)task / J->tiles) % J->KV;
+  PGroup R[PT_GROUPS];
+  float P[PT_ROWS * PT_KEYS] __attribute__((aligned(64)));
+  int16_t P16[PT_ROWS * PT_KEYS] __attribute__((aligned(64)));
+  int64_t maxlast;
+  const int64_t groups = prompt_groups(J, task, R, &maxlast, PD, 1);
+  const int16_t *KT = J->kt16 + (b * J->KV + kvh) * J->blocks * PD * 16;
+  const int16_t *V = J->vw16 + (b * J->KV + kvh) * J->blocks * 16 * PD;
+  for (int64_t k0 = 0; k0 <= maxlast; k0 += PT_KEYS) {
+    const int64_t nk = maxlast + 1 - k0 < PT_KEYS ? maxlast + 1 - k0 : PT_KEYS;
+    for (int64_t q = 0; q < groups; q++) prompt_step_vnni(J, &R[q], KT, V, b, kvh, k0, nk, P, P16, PD);
+  }
+  prompt_out(J, task, R, groups, PD);
+}
+
 __attribute__((target("avx512f,fma"))) static void prompt_task(void *data, size_t task) {
   const PJob *J = (const PJob *)data;
   if (J->D == 64)
@@ -556,15 +742,26 @@ __attribute__((target("avx512f,fma"))) static void prompt_task(void *data, size_
     prompt_rows(J, task, 128);
 }
 
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void prompt_task_vnni(void *data, size_t task) {
+  const PJob *J = (const PJob *)data;
+  if (J->D == 64)
+    prompt_rows_vnni(J, task, 64);
+  else
+    prompt_rows_vnni(J, task, 128);
+}
+
 /* ---------------------------------------------------------------- ONNX Runtime glue */
 
-/* KVEXPORT_ATTENTION_ISA=avx2 takes the AVX2 kernel on a CPU that has AVX-512 too (the tests run both where
- * they can). */
+/* 3: AVX-512 with AVX512-VNNI and -BW (an int8 cache's prompts in int16), 2: AVX-512, 1: AVX2 + FMA, 0: none.
+ * KVEXPORT_ATTENTION_ISA=avx512 or avx2 takes that narrower kernel on a CPU that has a wider one too (the tests run
+ * each where they can). */
 static int cpu_isa(void) {
   __builtin_cpu_init();
   const char *ask = getenv("KVEXPORT_ATTENTION_ISA");
+  const int cap = ask != NULL && strcmp(ask, "avx2") == 0 ? 1 : (ask != NULL && strcmp(ask, "avx512") == 0 ? 2 : 3);
   if (!__builtin_cpu_supports("fma")) return 0;
-  if (__builtin_cpu_supports("avx512f") && !(ask != NULL && strcmp(ask, "avx2") == 0)) return 2;
+  if (__builtin_cpu_supports("avx512f") && cap >= 2)
+    return cap == 3 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") ? 3 : 2;
   return __builtin_cpu_supports("avx2") ? 1 : 0;
 }
 
@@ -733,7 +930,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   int64_t rows_held = 1;
   for (int64_t b = 0; b < B; b++) rows_held = seqlens[b] + 1 > rows_held ? seqlens[b] + 1 : rows_held;
   rows_held = rows_held < max_seq ? rows_held : max_seq;
-  const int prompt = k->isa == 2 && (D == 64 || D == 128) && S > 1; /* the tiled prompt kernel takes it */
+  const int prompt = k->isa >= 2 && (D == 64 || D == 128) && S > 1; /* the tiled prompt kernel takes it */
   const int64_t runs = (rows_held + RUN - 1) / RUN, tasks = prompt ? 0 : B * S * KV * runs;
   const size_t floats = (size_t)(2 * KV * D + B * S * H * D + 2 * D + tasks * G * (D + 2));
   int64_t *last = (int64_t *)malloc((size_t)(B * S) * sizeof(int64_t) + floats * sizeof(float));
@@ -789,16 +986,20 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   }
   if (st == NULL && prompt) {
     const int64_t tok = PT_ROWS / G, blocks = (rows_held + 15) / 16;
-    /* the transposed keys, and for an int8 cache its value rows as float after them */
-    const size_t copy = (size_t)(B * KV * blocks * D * 16);
-    float *kt = (float *)aligned_alloc(64, (k->f32 ? 1 : 2) * copy * sizeof(float));
+    const int vnni = !k->f32 && k->isa == 3;
+    /* the transposed keys, and for an int8 cache its value rows after them: as float, or with VNNI as int16 */
+    const size_t copy = (size_t)(B * KV * blocks * D * 16), esz = vnni ? sizeof(int16_t) : sizeof(float);
+    void *kt = aligned_alloc(64, (k->f32 ? 1 : 2) * copy * esz);
     if (kt == NULL) st = g_ort->CreateStatus(ORT_FAIL, "CacheAttention: out of memory");
-    PJob P = {B, S, H, KV, G, D, max_seq, tok, (S + tok * PT_GROUPS - 1) / (tok * PT_GROUPS), blocks, kc, vc, kt,
-              k->f32 || kt == NULL ? NULL : kt + copy, vs, k->f32, qs, last, bias, bb, bh, bsd, (float *)outp};
+    PJob P = {B, S, H, KV, G, D, max_seq, tok, (S + tok * PT_GROUPS - 1) / (tok * PT_GROUPS), blocks, kc, vc,
+              vnni ? NULL : (float *)kt, k->f32 || vnni || kt == NULL ? NULL : (float *)kt + copy, vs, k->f32,
+              qs, last, bias, bb, bh, bsd, (float *)outp, vnni, vnni ? (int16_t *)kt : NULL,
+              vnni && kt != NULL ? (int16_t *)kt + copy : NULL};
     if (st == NULL)
       st = g_ort->KernelContext_ParallelFor(
           ctx, transpose_task, (size_t)(B * KV * ((blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS)), 0, &P);
-    if (st == NULL) st = g_ort->KernelContext_ParallelFor(ctx, prompt_task, (size_t)(B * KV * P.tiles), 0, &P);
+    if (st == NULL)
+      st = g_ort->KernelContext_ParallelFor(ctx, vnni ? prompt_task_vnni : prompt_task, (size_t)(B * KV * P.tiles), 0, &P);
     free(kt);
     free(last);
     return st;
