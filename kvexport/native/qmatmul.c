@@ -53,29 +53,78 @@ typedef struct {
 
 /* ---------------------------------------------------------------- activation quantization (per 32-block) */
 
-static void quantize_rows(const float *a, int64_t rows, int64_t K, int8_t *q, float *s, int32_t *zsum) {
-  const int64_t nb = K / QBLK;
-  for (int64_t m = 0; m < rows; m++) {
-    for (int64_t b = 0; b < nb; b++) {
-      const float *x = a + m * K + b * QBLK;
-      float amax = 0.f;
-      for (int i = 0; i < QBLK; i++) {
-        float v = fabsf(x[i]);
-        amax = v > amax ? v : amax;
-      }
-      float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      int8_t *qo = q + m * K + b * QBLK;
-      for (int i = 0; i < QBLK; i++) {
-        int v = (int)lrintf(x[i] * inv);
-        v = v > 127 ? 127 : (v < -127 ? -127 : v);
-        qo[i] = (int8_t)v;
-        sum += v;
-      }
-      s[m * nb + b] = scale;
-      zsum[m * nb + b] = sum; /* times the weights' zero point, taken off once per block */
-    }
+/* Each 32-block of a row: scale = amax / 127 (a NaN left out of amax), q = x * (127 / amax) rounded to nearest even
+ * (cvtps2dq under the default rounding mode, as lrintf) and clipped to +-127, and the sum of the q (times the
+ * weights' zero point, taken off once per block). */
+__attribute__((target("avx512f,avx512bw"))) static void quantize_block_avx512(const float *x, int8_t *qo, float *s,
+                                                                               int32_t *zsum) {
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  /* max(a, b) gives b where a is NaN: a NaN is left out, as the scalar comparison leaves it */
+  const __m512 m = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+  const float amax = _mm512_reduce_max_ps(m), inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i v0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv))), lo), hi);
+  const __m512i v1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv))), lo), hi);
+  _mm_storeu_si128((__m128i *)qo, _mm512_cvtepi32_epi8(v0));
+  _mm_storeu_si128((__m128i *)(qo + 16), _mm512_cvtepi32_epi8(v1));
+  *s = amax / 127.f;
+  *zsum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+}
+
+__attribute__((target("avx2,fma"))) static void quantize_block_avx2(const float *x, int8_t *qo, float *s,
+                                                                    int32_t *zsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  const float amax = _mm_cvtss_f32(h), inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i v[4], sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; i++) {
+    v[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i),
+                                                                              _mm256_set1_ps(inv))), lo), hi);
+    sum = _mm256_add_epi32(sum, v[i]);
   }
+  /* to bytes: the packs work per 128-bit lane, so the 32-bit groups come out as 0 4 1 5 2 6 3 7 */
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256((__m256i *)qo, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+  *s = amax / 127.f;
+  *zsum = _mm_cvtsi128_si32(t);
+}
+
+static void quantize_rows(const float *a, int64_t m0, int64_t m1, int64_t K, int isa, int8_t *q, float *s,
+                          int32_t *zsum) {
+  const int64_t nb = K / QBLK;
+  for (int64_t m = m0; m < m1; m++)
+    for (int64_t b = 0; b < nb; b++) {
+      const int64_t at = m * K + b * QBLK;
+      if (isa == 2)
+        quantize_block_avx512(a + at, q + at, s + m * nb + b, zsum + m * nb + b);
+      else
+        quantize_block_avx2(a + at, q + at, s + m * nb + b, zsum + m * nb + b);
+    }
+}
+
+#define QUANT_ROWS 16 /* activation rows a quantizing task takes */
+
+typedef struct {
+  const float *a;
+  int64_t M, K;
+  int isa;
+  int8_t *q;
+  float *s;
+  int32_t *zsum;
+} QuantJob;
+
+static void quantize_task(void *data, size_t i) {
+  const QuantJob *Q = (const QuantJob *)data;
+  const int64_t m0 = (int64_t)i * QUANT_ROWS, m1 = m0 + QUANT_ROWS < Q->M ? m0 + QUANT_ROWS : Q->M;
+  quantize_rows(Q->a, m0, m1, Q->K, Q->isa, Q->q, Q->s, Q->zsum);
 }
 
 /* ---------------------------------------------------------------- kernels: row groups [g0, g1) x rows [m0, m1) */
@@ -363,13 +412,23 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   if (q == NULL) return g_ort->CreateStatus(ORT_FAIL, "QMatMul: out of memory");
   float *s = (float *)(q + M * k->K);
   int32_t *zsum = (int32_t *)(s + M * nb);
-  quantize_rows((const float *)ap, M, k->K, q, s, zsum);
+  OrtStatus *st = NULL;
+  if (M <= QUANT_ROWS) /* a decode step's row or few: not worth the pool */
+    quantize_rows((const float *)ap, 0, M, k->K, k->isa, q, s, zsum);
+  else {
+    QuantJob Q = {(const float *)ap, M, k->K, k->isa, q, s, zsum};
+    st = g_ort->KernelContext_ParallelFor(ctx, quantize_task, (size_t)((M + QUANT_ROWS - 1) / QUANT_ROWS), 0, &Q);
+  }
+  if (st != NULL) {
+    free(q);
+    return st;
+  }
   Job J = {k, q, s, zsum, (float *)yp, M, 0, 0, (M + MTILE - 1) / MTILE};
   /* 8 row groups (128 rows) a task: enough tasks to balance two to a few dozen threads, few enough to keep
    * each one's weights a long sequential stream */
   J.gchunk = 8;
   J.chunks_g = (k->groups + J.gchunk - 1) / J.gchunk;
-  OrtStatus *st = g_ort->KernelContext_ParallelFor(ctx, job_part, (size_t)(J.chunks_g * J.mtiles), 0, &J);
+  st = g_ort->KernelContext_ParallelFor(ctx, job_part, (size_t)(J.chunks_g * J.mtiles), 0, &J);
   free(q);
   return st;
 }
