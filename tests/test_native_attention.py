@@ -34,7 +34,7 @@ def _runs_here(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _int16_prompt(isa: str, D: int, S: int) -> bool:
     """Whether an int8 cache's step of S new tokens takes the VNNI prompt kernel (int16 queries and weights)."""
-    return isa == "avx512-vnni" and D in native.TILED_HEAD_SIZES and S > 1
+    return isa == "avx512-vnni" and D in native.INT8_TILED_HEAD_SIZES and S > 1
 
 
 def _model(B: int, H: int, KV: int, D: int, C: int, *, packed: bool, rotary: bool, bias: bool, per_channel: bool,
@@ -139,6 +139,7 @@ CASES = {  # (B, H, KV, D, C, packed, rotary, bias, per_channel, row lengths, ne
     "prompt-after-rows": (1, 12, 4, 64, 700, True, True, True, True, [300], 100),
     "prompt-group-5": (1, 10, 2, 64, 300, False, True, True, True, [40], 37),
     "prompt-head-128": (1, 8, 2, 128, 400, True, True, True, True, [150], 60),  # the tiled kernel at head size 128
+    "prompt-head-32": (1, 8, 2, 32, 300, True, True, True, True, [100], 45),  # int8 caches' tiled kernel only
 }
 
 
@@ -193,7 +194,7 @@ def test_the_op_stores_onnxruntimes_bytes_and_attends_as_it_does(case: str, in_p
     assert ties > 0  # the data held ties that only the kernel's own rounding stores alike
 
 
-@pytest.mark.parametrize("D", native.TILED_HEAD_SIZES)
+@pytest.mark.parametrize("D", native.INT8_TILED_HEAD_SIZES)
 def test_the_vnni_prompt_kernels_rounding_is_small_beside_the_int8_caches_own(D: int,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """What the VNNI prompt kernel's int16 queries and weights cost, against what storing the cache in int8 costs:
@@ -389,19 +390,30 @@ def test_which_kernel_each_cpu_takes(monkeypatch: pytest.MonkeyPatch) -> None:
         assert native.attention_kernel({"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma"}).isa == "avx2"
 
 
-@pytest.fixture(scope="module")
-def int8_head64_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A `--kv int8` cpu artifact of a tiny llama with head size 64 (two query heads, one KV head), the size the
-    op's tiled prompt kernel takes (the tiny families' heads are 16 or 32 wide)."""
+def _int8_artifact(tmp_path_factory: pytest.TempPathFactory, head: int) -> Path:
+    """A `--kv int8` cpu artifact of a tiny llama with two query heads of `head` channels and one KV head."""
     from kvexport.backends import BuildOptions
     from kvexport.build import build
     from kvexport.zoo import TINY_CONFIGS, write_checkpoint
 
-    root = tmp_path_factory.mktemp("head64")
-    cfg = {**TINY_CONFIGS["llama"], "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+    root = tmp_path_factory.mktemp(f"head{head}")
+    cfg = {**TINY_CONFIGS["llama"], "hidden_size": 2 * head, "num_attention_heads": 2, "num_key_value_heads": 1}
     ckpt = write_checkpoint(cfg, root / "ckpt", seed=5)
     build(ckpt, root / "kv8.kvx", target="cpu", max_seq=128, options=BuildOptions(kv="int8"), verify=False)
     return root / "kv8.kvx"
+
+
+@pytest.fixture(scope="module")
+def int8_head64_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Head size 64, one the op's tiled prompt kernel takes over either cache (the tiny families' heads are 16 or
+    32 wide)."""
+    return _int8_artifact(tmp_path_factory, 64)
+
+
+@pytest.fixture(scope="module")
+def int8_head32_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Head size 32, which the tiled prompt kernel takes over an int8 cache only."""
+    return _int8_artifact(tmp_path_factory, 32)
 
 
 def _swapped(artifact: Path, isa: str) -> onnx.ModelProto:
@@ -411,15 +423,16 @@ def _swapped(artifact: Path, isa: str) -> onnx.ModelProto:
 
 
 def test_the_swap_sends_one_rows_prompt_of_an_int8_engine_to_the_op_where_its_tiled_kernel_runs(
-        int8_head64_artifact: Path, int8_cache_artifact: Path) -> None:
+        int8_head64_artifact: Path, int8_head32_artifact: Path, int8_cache_artifact: Path) -> None:
     """The int8 engine's Ifs (kvexport.backends.cpu_kv: the fp32 form for several new tokens, the quantized node for
-    one) read "several new tokens in several batch rows" once the op is swapped in on AVX-512 at head size 64, so one
-    row's prompt runs the op's tiled kernel; on AVX2 (no tiled kernel), or at another head size, they keep "several
-    new tokens"."""
+    one) read "several new tokens in several batch rows" once the op is swapped in on AVX-512 at head size 32, 64 or
+    128, so one row's prompt runs the op's tiled kernel; on AVX2 (no tiled kernel), or at another head size, they
+    keep "several new tokens"."""
     from kvexport.backends.cpu_kv import PREFIX
 
     for art, isa, cond in ((int8_head64_artifact, "avx512", f"{PREFIX}/many_rows"),
                            (int8_head64_artifact, "avx512-vnni", f"{PREFIX}/many_rows"),
+                           (int8_head32_artifact, "avx512-vnni", f"{PREFIX}/many_rows"),
                            (int8_head64_artifact, "avx2", f"{PREFIX}/many"),
                            (int8_cache_artifact, "avx512", f"{PREFIX}/many")):  # heads 16 wide
         g = _swapped(art, isa).graph
@@ -433,9 +446,11 @@ def test_the_swap_sends_one_rows_prompt_of_an_int8_engine_to_the_op_where_its_ti
 
 
 @pytest.mark.parametrize("isa", ["avx512-vnni", "avx512"])
-def test_one_rows_prompt_through_the_tiled_kernel_matches_the_fp32_form(isa: str, int8_head64_artifact: Path,
+@pytest.mark.parametrize("head", [64, 32])
+def test_one_rows_prompt_through_the_tiled_kernel_matches_the_fp32_form(isa: str, head: int,
+                                                                         request: pytest.FixtureRequest,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """At head size 64 on AVX-512 an int8 engine's one-row prompt runs the op's tiled kernel, ONNX Runtime's fp32
+    """At head size 64 or 32 on AVX-512 an int8 engine's one-row prompt runs the op's tiled kernel, ONNX Runtime's fp32
     form without the op: the same bytes stored (but for a rounding tie of the key, rotated in another float order),
     the logits to float order (with VNNI, to its int16 rounding) and the same greedy tokens after; whole, and in
     pieces that continue held rows."""
@@ -443,8 +458,9 @@ def test_one_rows_prompt_through_the_tiled_kernel_matches_the_fp32_form(isa: str
     from kvexport.runtime import session
 
     _runs_here(isa, monkeypatch)
-    ours = kvexport.load(str(int8_head64_artifact), threads=2)
-    theirs = kvexport.load(str(int8_head64_artifact), threads=2, native_attention="false")
+    art = request.getfixturevalue(f"int8_head{head}_artifact")
+    ours = kvexport.load(str(art), threads=2)
+    theirs = kvexport.load(str(art), threads=2, native_attention="false")
     prompt = [int(t) for t in np.random.default_rng(6).integers(3, 200, 70)]
     tol = 1e-3 if isa == "avx512-vnni" else 1e-4  # its int16 queries and weights: ~2.5e-4 of the largest logit
     for piece in (session.PREFILL_PIECE, 32):  # one call, then 32 + 32 + 6 new tokens over the rows held

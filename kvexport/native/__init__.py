@@ -11,10 +11,11 @@ attributes; the file is not changed (docs/backends/cpu.md):
 - `ai.kvexport.Int8CacheAttention` (attention.c), on a CPU with AVX-512 or AVX2+FMA, for every `GroupQueryAttention`
   over an int8 cache (`--kv int8`) it takes: the same bytes stored, the attention in fp32 over them, in another order.
   Such nodes sit in the one-token branch of the engine's own If (kvexport.backends.cpu_kv); where the op's tiled
-  prompt kernel runs (AVX-512, head size 64 or 128), that If's condition becomes "several new tokens in several batch
-  rows", so one row's prompt runs the op too. With AVX512-VNNI that prompt kernel takes the scores and the weighted
-  values in int16 x int8 (each query row scaled to 15 bits, the weights to 1/32767): outputs within about 1e-4 of the
-  fp32 order's, far inside what the int8 cache itself moves them (docs/backends/cpu.md).
+  prompt kernel runs (AVX-512, head size 32, 64 or 128), that If's condition becomes "several new tokens in several
+  batch rows", so one row's prompt runs the op too. With AVX512-VNNI that prompt kernel takes the scores and the
+  weighted values in int16 (the int8 rows widened, each query row scaled to 15 bits, the weights to 1/32767):
+  outputs within about 1e-4 of the fp32 order's, far inside what the int8 cache itself moves them
+  (docs/backends/cpu.md).
 - `ai.kvexport.Fp32CacheAttention` (the same kernel over a float cache, and a tiled one for prompts on AVX-512 at
   head size 64 or 128), likewise, for every `GroupQueryAttention` of an fp32-cache engine it takes: each such node goes
   under an If on "one new token" (or, where the tiled kernel runs, "one new token or one batch row"), ONNX
@@ -38,6 +39,10 @@ REQUIRE_ENV = "KVEXPORT_REQUIRE_NATIVE"  # set (CI): a missing library is an err
 ISA_ENV = "KVEXPORT_QMATMUL_ISA"  # "avx2": the AVX2 kernel on a CPU that has AVX512-VNNI as well
 ATTENTION_ISA_ENV = "KVEXPORT_ATTENTION_ISA"  # "avx512" or "avx2": that narrower attention kernel on a wider CPU
 TILED_HEAD_SIZES = (64, 128)  # the head sizes attention.c's tiled prompt kernel takes (AVX-512 only)
+# and over an int8 cache, 32 too (one layer of the default model's heads over a 1,024-token prompt: 3.5 ms in int16,
+# 4.5 ms in float, against ONNX Runtime's fp32 form's 6.7 ms and more; over a float cache the tiled kernel took
+# 7.3 ms there, so fp32 caches keep ONNX Runtime's kernel for prompts at 32)
+INT8_TILED_HEAD_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -281,7 +286,7 @@ def _head_size(graph: Any, name: str) -> int:
 
 def _int8_prompts_to_the_op(graph: Any) -> int:
     """Where every If on the int8 engine's "several new tokens" condition (kvexport.backends.cpu_kv) holds the int8
-    op in its one-token branch at a head size the tiled kernel takes (TILED_HEAD_SIZES), feed those Ifs "several
+    op in its one-token branch at a head size the tiled kernel takes (INT8_TILED_HEAD_SIZES), feed those Ifs "several
     new tokens in several batch rows" instead, so that one row's prompt runs the op's tiled kernel and several
     rows' keep the fp32 form; the number rewired."""
     from onnx import TensorProto, helper
@@ -292,7 +297,7 @@ def _int8_prompts_to_the_op(graph: Any) -> int:
     ifs = [n for n in graph.node if n.op_type == "If" and n.input and n.input[0] == many]
     ops = [[m for a in n.attribute if a.name == "else_branch" for m in a.g.node] for n in ifs]
     if not ifs or not all(len(o) == 1 and o[0].op_type == ATTENTION_OP and o[0].domain == DOMAIN
-                          and _head_size(graph, o[0].input[3]) in TILED_HEAD_SIZES for o in ops):
+                          and _head_size(graph, o[0].input[3]) in INT8_TILED_HEAD_SIZES for o in ops):
         return 0
     rows = f"{PREFIX}/rows"
     graph.initializer.append(helper.make_tensor(f"{rows}/one", TensorProto.INT64, [1], [1]))

@@ -738,16 +738,20 @@ __attribute__((target("avx512f,fma"))) static void prompt_task(void *data, size_
   const PJob *J = (const PJob *)data;
   if (J->D == 64)
     prompt_rows(J, task, 64); /* each head size its own loops, unrolled */
-  else
+  else if (J->D == 128)
     prompt_rows(J, task, 128);
+  else
+    prompt_rows(J, task, 32);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void prompt_task_vnni(void *data, size_t task) {
   const PJob *J = (const PJob *)data;
   if (J->D == 64)
     prompt_rows_vnni(J, task, 64);
-  else
+  else if (J->D == 128)
     prompt_rows_vnni(J, task, 128);
+  else
+    prompt_rows_vnni(J, task, 32);
 }
 
 /* ---------------------------------------------------------------- ONNX Runtime glue */
@@ -930,7 +934,9 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   int64_t rows_held = 1;
   for (int64_t b = 0; b < B; b++) rows_held = seqlens[b] + 1 > rows_held ? seqlens[b] + 1 : rows_held;
   rows_held = rows_held < max_seq ? rows_held : max_seq;
-  const int prompt = k->isa >= 2 && (D == 64 || D == 128) && S > 1; /* the tiled prompt kernel takes it */
+  /* the tiled prompt kernel takes it: head size 64 or 128, or 32 over an int8 cache (over a float one ONNX Runtime's
+   * kernel was the faster at 32: kvexport.native.TILED_HEAD_SIZES) */
+  const int prompt = k->isa >= 2 && (D == 64 || D == 128 || (D == 32 && !k->f32)) && S > 1;
   const int64_t runs = (rows_held + RUN - 1) / RUN, tasks = prompt ? 0 : B * S * KV * runs;
   const size_t floats = (size_t)(2 * KV * D + B * S * H * D + 2 * D + tasks * G * (D + 2));
   int64_t *last = (int64_t *)malloc((size_t)(B * S) * sizeof(int64_t) + floats * sizeof(float));
