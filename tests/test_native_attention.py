@@ -560,7 +560,8 @@ def test_doctor_says_which_cache_attention_runs(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.delenv(native.REQUIRE_ENV, raising=False)
     k = native.attention_kernel()
     said = CpuBackend().doctor()["cache_attention"]
-    assert said == (f"kvexport Int8CacheAttention, Fp32CacheAttention ({k.isa})" if k.usable
-                    else f"ONNX Runtime's: {k.why}")
+    both = ("kvexport Int8CacheAttention (avx512-vnni), Fp32CacheAttention (avx512)" if k.isa == "avx512-vnni"
+            else f"kvexport Int8CacheAttention, Fp32CacheAttention ({k.isa})")
+    assert said == (both if k.usable else f"ONNX Runtime's: {k.why}")
     monkeypatch.setattr(native, "LIBRARY", tmp_path / "absent.so")
     assert CpuBackend().doctor()["cache_attention"].startswith("ONNX Runtime's: not built")

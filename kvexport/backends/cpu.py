@@ -321,7 +321,9 @@ class CpuBackend(_Backend):
             k = native.kernel()
             qmm = f"{k.ours} ({k.isa}) for 4-bit weights" if k.usable else f"ONNX Runtime's: {k.why}"
             a = native.attention_kernel()
-            attn = (f"{a.ours}, {a.for_fp32().ours.split()[-1]} ({a.isa})" if a.usable
+            f = a.for_fp32()  # the fp32 op has no VNNI form: one ISA named where both have the same
+            attn = ((f"{a.ours}, {f.ours.split()[-1]} ({a.isa})" if f.isa == a.isa else
+                     f"{a.ours} ({a.isa}), {f.ours.split()[-1]} ({f.isa})") if a.usable
                     else f"ONNX Runtime's: {a.why}")
         except BackendUnavailableError as e:
             qmm = attn = str(e)
