@@ -365,10 +365,11 @@ static void attend_task(void *data, size_t task) {
     attend_run_avx2(J, task);
 }
 
-/* ---------------------------------------------------------------- many new tokens (AVX-512, head size 64 or 128) */
+/* ---------------------------------------------------------------- many new tokens (AVX-512, head size 32, 64, 128) */
 
-/* A prompt's queries against the cache, head size PD (64 or 128): each task holds up to 24 query rows (tokens x the
- * query heads of one KV head) and walks the keys in steps of 64 with a running softmax (the max, the sum and the
+/* A prompt's queries against the cache, head size PD (64 or 128; 32 over an int8 cache): each task holds up to 24
+ * query rows (tokens x the query heads of one KV head) and walks the keys in steps of PT_KEYS (128; 64 measured
+ * 7-10% slower, its per-step softmax and rescale twice as often) with a running softmax (the max, the sum and the
  * weighted values rescaled as the max grows). Keys are read from a transposed copy made per call (16 keys by PD
  * channels a block), so that a score is a broadcast query channel times 16 keys, no horizontal sums; the scores of
  * 24 rows against 16 keys sit in 24 registers whatever PD is. An int8 cache is widened to float in that copy (its
@@ -472,13 +473,71 @@ typedef struct {
   int64_t last[PT_ROWS], s0, nr;
 } PGroup;
 
+/* One row's running softmax over a step's scores x (PT_KEYS floats, the first nb blocks of 16 computed): masked by
+ * the row's last key and biased, the new max, the old sums and weighted values rescaled, the weights left in x, or
+ * with p16 as int16 at 1/P16_SCALE in p16 (the VNNI form). A row with nothing to attend here gets zero weights. */
+#define P16_SCALE 32767.f
+
+__attribute__((target("avx512f,fma"), always_inline)) static inline void row_softmax(const PJob *J, PGroup *R,
+                                                                                    int64_t r, float *x, int16_t *p16,
+                                                                                    int64_t b, int64_t kvh, int64_t k0,
+                                                                                    int64_t nb, const int PD) {
+  const int64_t G = J->G;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  if (r >= R->nr || R->last[r] < k0) { /* a padding row, or one whose keys all came before this step */
+    if (p16 != NULL)
+      memset(p16, 0, PT_KEYS * sizeof(int16_t));
+    else
+      memset(x, 0, PT_KEYS * sizeof(float));
+    return;
+  }
+  const int64_t i = r / G, g = r % G;
+  const float *bias = J->bias == NULL ? NULL : J->bias + b * J->bb + (kvh * G + g) * J->bh + (R->s0 + i) * J->bs + k0;
+  __mmask16 valid[PT_KEYS / 16];
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
+    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(k0 + sb * 16)));
+    valid[sb] = sb < nb ? _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)R->last[r])) : 0;
+    __m512 v = _mm512_load_ps(x + sb * 16);
+    if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(valid[sb], bias + sb * 16));
+    v = _mm512_mask_blend_ps(valid[sb], _mm512_set1_ps(-INFINITY), v);
+    _mm512_store_ps(x + sb * 16, v);
+    mx = _mm512_max_ps(mx, v);
+  }
+  const float top = _mm512_reduce_max_ps(mx);
+  if (top == -INFINITY) { /* every key of this step masked for this row */
+    if (p16 != NULL)
+      memset(p16, 0, PT_KEYS * sizeof(int16_t));
+    else
+      memset(x, 0, PT_KEYS * sizeof(float));
+    return;
+  }
+  const float mnew = top > R->m[r] ? top : R->m[r];
+  const float alpha = R->m[r] == -INFINITY ? 0.f : (mnew == R->m[r] ? 1.f : expf(R->m[r] - mnew));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
+    const __m512 e = _mm512_maskz_mov_ps(valid[sb], exp16(_mm512_sub_ps(_mm512_load_ps(x + sb * 16),
+                                                                        _mm512_set1_ps(mnew))));
+    sum = _mm512_add_ps(sum, e);
+    if (p16 != NULL)
+      _mm256_store_si256((__m256i *)(p16 + sb * 16),
+                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(e, _mm512_set1_ps(P16_SCALE)))));
+    else
+      _mm512_store_ps(x + sb * 16, e);
+  }
+  R->l[r] = R->l[r] * alpha + _mm512_reduce_add_ps(sum);
+  R->m[r] = mnew;
+  if (alpha != 1.f)
+    for (int c = 0; c < PD / 16; c++)
+      _mm512_store_ps(R->O + r * PD + c * 16, _mm512_mul_ps(_mm512_load_ps(R->O + r * PD + c * 16), _mm512_set1_ps(alpha)));
+}
+
 /* keys k0 .. k0 + nk - 1 (nk <= PT_KEYS) for one group */
 __attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_step(const PJob *J, PGroup *R,
                                                                                     const float *KT, const float *V,
                                                                                     int64_t b, int64_t kvh, int64_t k0,
                                                                                     int64_t nk, float *P, const int PD) {
-  const int64_t G = J->G, nb = (nk + 15) / 16;
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t nb = (nk + 15) / 16;
   /* scores of every row against 16 keys at a time */
   for (int64_t sb = 0; sb < nb; sb++) {
     const float *kt = KT + (k0 / 16 + sb) * PD * 16;
@@ -494,45 +553,7 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_
     for (int r = 0; r < PT_ROWS; r++) _mm512_store_ps(P + r * PT_KEYS + sb * 16, acc[r]);
   }
   /* each row's running softmax: masked and biased scores, the new max, the rescale, the weights */
-  for (int64_t r = 0; r < PT_ROWS; r++) {
-    float *x = P + r * PT_KEYS;
-    if (r >= R->nr || R->last[r] < k0) {
-      memset(x, 0, PT_KEYS * sizeof(float));
-      continue;
-    }
-    const int64_t i = r / G, g = r % G;
-    const float *bias = J->bias == NULL ? NULL
-                        : J->bias + b * J->bb + (kvh * G + g) * J->bh + (R->s0 + i) * J->bs + k0;
-    __mmask16 valid[PT_KEYS / 16];
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
-      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(k0 + sb * 16)));
-      valid[sb] = sb < nb ? _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)R->last[r])) : 0;
-      __m512 v = _mm512_load_ps(x + sb * 16);
-      if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(valid[sb], bias + sb * 16));
-      v = _mm512_mask_blend_ps(valid[sb], _mm512_set1_ps(-INFINITY), v);
-      _mm512_store_ps(x + sb * 16, v);
-      mx = _mm512_max_ps(mx, v);
-    }
-    const float top = _mm512_reduce_max_ps(mx);
-    if (top == -INFINITY) { /* every key of this step masked for this row */
-      memset(x, 0, PT_KEYS * sizeof(float));
-      continue;
-    }
-    const float mnew = top > R->m[r] ? top : R->m[r], alpha = R->m[r] == -INFINITY ? 0.f : (mnew == R->m[r] ? 1.f : expf(R->m[r] - mnew));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
-      const __m512 e = _mm512_maskz_mov_ps(valid[sb], exp16(_mm512_sub_ps(_mm512_load_ps(x + sb * 16),
-                                                                          _mm512_set1_ps(mnew))));
-      _mm512_store_ps(x + sb * 16, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    R->l[r] = R->l[r] * alpha + _mm512_reduce_add_ps(sum);
-    R->m[r] = mnew;
-    if (alpha != 1.f)
-      for (int c = 0; c < PD / 16; c++)
-        _mm512_store_ps(R->O + r * PD + c * 16, _mm512_mul_ps(_mm512_load_ps(R->O + r * PD + c * 16), _mm512_set1_ps(alpha)));
-  }
+  for (int64_t r = 0; r < PT_ROWS; r++) row_softmax(J, R, r, P + r * PT_KEYS, NULL, b, kvh, k0, nb, PD);
   /* the weighted values, 16 channels at a time */
   for (int c = 0; c < PD / 16; c++) {
     __m512 acc[PT_ROWS];
@@ -554,10 +575,8 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_
  * instruction does the work of two float FMAs; the weights, at most 1 after the running max is taken off, go to
  * int16 as round(p * 32767) and the values, int8 widened, are summed two keys a lane the same way, each step's sum
  * added to the float output times 1 / 32767. The float softmax (max, exp, sum) is the float kernel's: l sums the
- * weights before rounding. Sums stay within int32: at most 2 x 128 x 32767 x 128 per score, 64 x 32767 x 128 per
- * value channel. */
-#define P16_SCALE 32767.f
-
+ * weights before rounding. Sums stay within int32: at most 128 channels x 32767 x 128 per score (head size 128),
+ * PT_KEYS (128) keys x 32767 x 128 per value channel and step, 5.4e8 < 2^31. */
 /* acc += pairs of int16 of a times the pair at *b (broadcast), by lane. Written out because GCC 12 copies the
  * accumulator of _mm512_dpwssd_epi32 through other registers and the stack: twice the instructions. */
 __attribute__((target("avx512f,avx512vnni"), always_inline)) static inline __m512i dpwssd_bcst(__m512i acc, __m512i a,
@@ -569,8 +588,7 @@ __attribute__((target("avx512f,avx512vnni"), always_inline)) static inline __m51
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline void prompt_step_vnni(
     const PJob *J, PGroup *R, const int16_t *KT, const int16_t *V, int64_t b, int64_t kvh, int64_t k0, int64_t nk,
     float *P, int16_t *P16, const int PD) {
-  const int64_t G = J->G, nb = (nk + 15) / 16;
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t nb = (nk + 15) / 16;
   const int32_t *Q32 = (const int32_t *)R->Q16;
   for (int64_t sb = 0; sb < nb; sb++) {
     const int16_t *kt = KT + (k0 / 16 + sb) * PD * 16;
@@ -583,50 +601,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static
       for (int r = 0; r < PT_ROWS; r++) acc[r] = dpwssd_bcst(acc[r], kv, Q32 + r * (PD / 2) + c);
     }
 #pragma GCC unroll 24
-    for (int r = 0; r < PT_ROWS; r++) _mm512_store_ps(P + r * PT_KEYS + sb * 16, _mm512_cvtepi32_ps(acc[r]));
+    for (int r = 0; r < PT_ROWS; r++)
+      _mm512_store_ps(P + r * PT_KEYS + sb * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(R->qs[r])));
   }
-  for (int64_t r = 0; r < PT_ROWS; r++) {
-    float *x = P + r * PT_KEYS;
-    int16_t *p16 = P16 + r * PT_KEYS;
-    if (r >= R->nr || R->last[r] < k0) {
-      memset(p16, 0, PT_KEYS * sizeof(int16_t));
-      continue;
-    }
-    const int64_t i = r / G, g = r % G;
-    const float *bias = J->bias == NULL ? NULL
-                        : J->bias + b * J->bb + (kvh * G + g) * J->bh + (R->s0 + i) * J->bs + k0;
-    const __m512 qs = _mm512_set1_ps(R->qs[r]);
-    __mmask16 valid[PT_KEYS / 16];
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
-      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(k0 + sb * 16)));
-      valid[sb] = sb < nb ? _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)R->last[r])) : 0;
-      __m512 v = _mm512_mul_ps(_mm512_maskz_load_ps(valid[sb], x + sb * 16), qs);
-      if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(valid[sb], bias + sb * 16));
-      v = _mm512_mask_blend_ps(valid[sb], _mm512_set1_ps(-INFINITY), v);
-      _mm512_store_ps(x + sb * 16, v);
-      mx = _mm512_max_ps(mx, v);
-    }
-    const float top = _mm512_reduce_max_ps(mx);
-    if (top == -INFINITY) {
-      memset(p16, 0, PT_KEYS * sizeof(int16_t));
-      continue;
-    }
-    const float mnew = top > R->m[r] ? top : R->m[r], alpha = R->m[r] == -INFINITY ? 0.f : (mnew == R->m[r] ? 1.f : expf(R->m[r] - mnew));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t sb = 0; sb < PT_KEYS / 16; sb++) {
-      const __m512 e = _mm512_maskz_mov_ps(valid[sb], exp16(_mm512_sub_ps(_mm512_load_ps(x + sb * 16),
-                                                                          _mm512_set1_ps(mnew))));
-      sum = _mm512_add_ps(sum, e);
-      _mm256_store_si256((__m256i *)(p16 + sb * 16),
-                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(e, _mm512_set1_ps(P16_SCALE)))));
-    }
-    R->l[r] = R->l[r] * alpha + _mm512_reduce_add_ps(sum);
-    R->m[r] = mnew;
-    if (alpha != 1.f)
-      for (int c = 0; c < PD / 16; c++)
-        _mm512_store_ps(R->O + r * PD + c * 16, _mm512_mul_ps(_mm512_load_ps(R->O + r * PD + c * 16), _mm512_set1_ps(alpha)));
-  }
+  for (int64_t r = 0; r < PT_ROWS; r++) row_softmax(J, R, r, P + r * PT_KEYS, P16 + r * PT_KEYS, b, kvh, k0, nb, PD);
   const int32_t *P32 = (const int32_t *)P16;
   const int64_t pairs = (nk + 1) / 2;
   for (int c = 0; c < PD / 16; c++) {
@@ -645,7 +623,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static
   }
 }
 
-#define PT_GROUPS 4 /* row groups a task takes, each 64-key step read once for all of them */
+#define PT_GROUPS 4 /* row groups a task takes, each step of keys read once for all of them */
 
 /* A task's row groups: their queries (and with VNNI, each row as int16 at 32767 / its largest magnitude), running
  * softmax state and last rows; returns how many groups, and the last key any of them attends to in *maxlast. */
