@@ -322,9 +322,13 @@ class CpuBackend(_Backend):
             qmm = f"{k.ours} ({k.isa}) for 4-bit weights" if k.usable else f"ONNX Runtime's: {k.why}"
             a = native.attention_kernel()
             f = a.for_fp32()  # the fp32 op has no VNNI form: one ISA named where both have the same
-            attn = ((f"{a.ours}, {f.ours.split()[-1]} ({a.isa})" if f.isa == a.isa else
-                     f"{a.ours} ({a.isa}), {f.ours.split()[-1]} ({f.isa})") if a.usable
-                    else f"ONNX Runtime's: {a.why}")
+            fp32 = f.ours.split()[-1]
+            if not a.usable:
+                attn = f"ONNX Runtime's: {a.why}"
+            elif f.isa == a.isa:
+                attn = f"{a.ours}, {fp32} ({a.isa})"
+            else:
+                attn = f"{a.ours} ({a.isa}), {fp32} ({f.isa})"
         except BackendUnavailableError as e:
             qmm = attn = str(e)
         return {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "quantized_matmul": qmm,

@@ -100,15 +100,14 @@ def _unbuilt(library: Path) -> str | None:
     return why
 
 
-def _choose(isa: str, env: str, library: Path | None, lacking: str, **names: str) -> Kernel:
-    """The Kernel record for an op whose best ISA on this CPU is `isa` ("" for none): `env`=avx2 takes its AVX2
-    kernel instead, and the attention's `env`=avx512 its AVX-512 kernel without VNNI (the library reads the same
-    variable; tests run every kernel the CPU has)."""
-    ask = os.environ.get(env)
-    if isa and ask == "avx2":
-        isa = "avx2"
-    elif env == ATTENTION_ISA_ENV and isa == "avx512-vnni" and ask == "avx512":
-        isa = "avx512"
+def _choose(isa: str, env: str, library: Path | None, lacking: str, kernels: tuple[str, ...],
+            **names: str) -> Kernel:
+    """The Kernel record for an op whose best ISA on this CPU is `isa` ("" for none) among its `kernels`, widest
+    first: `env` naming a narrower one of them takes that one instead (the library reads the same variable; tests
+    run every kernel the CPU has)."""
+    ask = os.environ.get(env, "")
+    if isa and ask in kernels and kernels.index(ask) > kernels.index(isa):
+        isa = ask
     why = _unbuilt(LIBRARY if library is None else library)
     if why:
         return Kernel(False, "", why, **names)
@@ -120,11 +119,11 @@ def _choose(isa: str, env: str, library: Path | None, lacking: str, **names: str
 def kernel(flags: set[str] | None = None, library: Path | None = None) -> Kernel:
     """Whether this machine can run the native quantized matmul: the library built at install (`library`, by
     default LIBRARY) and the ISA it needs."""
-    return _choose(isa_of(_flags(flags)), ISA_ENV, library, "AVX512-VNNI nor AVX2+FMA")
+    return _choose(isa_of(_flags(flags)), ISA_ENV, library, "AVX512-VNNI nor AVX2+FMA", ("avx512-vnni", "avx2"))
 
 
 def attention_isa_of(flags: set[str]) -> str:
-    if {"avx512f", "avx512bw", "avx512_vnni", "fma"} <= flags:
+    if "fma" in flags and isa_of(flags) == "avx512-vnni":
         return "avx512-vnni"  # attention.c's cpu_isa() 3: an int8 cache's prompts in int16
     if {"avx512f", "fma"} <= flags:
         return "avx512"
@@ -138,7 +137,7 @@ def attention_kernel(flags: set[str] | None = None, library: Path | None = None)
     AVX2+FMA. Its record names the int8 op; a session whose swap took fp32-cache nodes names the other
     (`Kernel.for_fp32`)."""
     return _choose(attention_isa_of(_flags(flags)), ATTENTION_ISA_ENV, library, "AVX-512 nor AVX2+FMA",
-                   **ATTENTION_NAMES)
+                   ("avx512-vnni", "avx512", "avx2"), **ATTENTION_NAMES)
 
 
 def _attrs(node: Any) -> dict[str, Any]:
@@ -319,8 +318,9 @@ def swap(model: Any, isa: str = "avx512-vnni", widths: tuple[int, ...] = SWAP_BI
     ai.kvexport.QMatMul, and with `attention` each GroupQueryAttention over an int8 cache the attention op takes
     into ai.kvexport.Int8CacheAttention, in place, in every subgraph, and each one over the main graph's float
     caches that the fp32 op takes under an If that runs ai.kvexport.Fp32CacheAttention for one new token
-    (_one_token_branch; on `attention_isa` avx512 or avx512-vnni, at a head size in TILED_HEAD_SIZES, also for a prompt of one
-    batch row, which its tiled kernel takes; the int8 engine's own Ifs likewise, _int8_prompts_to_the_op); the
+    (_one_token_branch; on `attention_isa` avx512 or avx512-vnni, at a head size in TILED_HEAD_SIZES, also for a
+    prompt of one batch row, which its tiled kernel takes; the int8 engine's own Ifs likewise,
+    _int8_prompts_to_the_op); the
     numbers swapped (matmuls, attentions of either kind).
     `huge_pages`: whether the matmul kernel asks for huge pages for its packed weights."""
     from onnx import helper

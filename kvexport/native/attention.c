@@ -398,7 +398,7 @@ typedef struct {
 
 #define PT_TRANSPOSE_BLOCKS 16 /* 16-key blocks a transposing task takes */
 
-/* the VNNI copies of blocks b0 .. b1 - 1 of one KV head (head size 64 or 128): each key row widened to int16 and
+/* the VNNI copies of blocks b0 .. b1 - 1 of one KV head (head size 32, 64 or 128): each key row widened to int16 and
  * its channel pairs transposed 16 keys at a time; each pair of value rows widened and interleaved channel by
  * channel */
 __attribute__((target("avx512f,avx512bw"))) static void transpose_vnni(const PJob *J, int64_t bk, int64_t b0,
@@ -435,14 +435,13 @@ __attribute__((target("avx512f,avx512bw"))) static void transpose_vnni(const PJo
 
 static void transpose_task(void *data, size_t task) {
   const PJob *J = (const PJob *)data;
-  if (J->vnni) {
-    const int64_t per = (J->blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS, b0 = ((int64_t)task % per) * PT_TRANSPOSE_BLOCKS;
-    transpose_vnni(J, (int64_t)task / per, b0, b0 + PT_TRANSPOSE_BLOCKS < J->blocks ? b0 + PT_TRANSPOSE_BLOCKS : J->blocks);
-    return;
-  }
   const int64_t D = J->D, per = (J->blocks + PT_TRANSPOSE_BLOCKS - 1) / PT_TRANSPOSE_BLOCKS;
   const int64_t bk = (int64_t)task / per, b0 = ((int64_t)task % per) * PT_TRANSPOSE_BLOCKS;
   const int64_t b1 = b0 + PT_TRANSPOSE_BLOCKS < J->blocks ? b0 + PT_TRANSPOSE_BLOCKS : J->blocks;
+  if (J->vnni) {
+    transpose_vnni(J, bk, b0, b1);
+    return;
+  }
   const float *K = J->f32 ? (const float *)J->kc + bk * J->max_seq * D : NULL;
   const int8_t *K8 = J->f32 ? NULL : (const int8_t *)J->kc + bk * J->max_seq * D;
   const int8_t *V8 = J->f32 ? NULL : (const int8_t *)J->vc + bk * J->max_seq * D;
@@ -570,13 +569,6 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline void prompt_
 }
 
 
-/* The same step over an int8 cache with AVX512-VNNI: the scores are int16 queries (each row scaled to its largest
- * channel, 15 bits) times the int8 keys widened to int16, two channels a lane by vpdpwssd into int32, so that each
- * instruction does the work of two float FMAs; the weights, at most 1 after the running max is taken off, go to
- * int16 as round(p * 32767) and the values, int8 widened, are summed two keys a lane the same way, each step's sum
- * added to the float output times 1 / 32767. The float softmax (max, exp, sum) is the float kernel's: l sums the
- * weights before rounding. Sums stay within int32: at most 128 channels x 32767 x 128 per score (head size 128),
- * PT_KEYS (128) keys x 32767 x 128 per value channel and step, 5.4e8 < 2^31. */
 /* acc += pairs of int16 of a times the pair at *b (broadcast), by lane. Written out because GCC 12 copies the
  * accumulator of _mm512_dpwssd_epi32 through other registers and the stack: twice the instructions. */
 __attribute__((target("avx512f,avx512vnni"), always_inline)) static inline __m512i dpwssd_bcst(__m512i acc, __m512i a,
@@ -585,6 +577,13 @@ __attribute__((target("avx512f,avx512vnni"), always_inline)) static inline __m51
   return acc;
 }
 
+/* The same step over an int8 cache with AVX512-VNNI: the scores are int16 queries (each row scaled to its largest
+ * channel, 15 bits) times the int8 keys widened to int16, two channels a lane by vpdpwssd into int32, so that each
+ * instruction does the work of two float FMAs; the weights, at most 1 after the running max is taken off, go to
+ * int16 as round(p * 32767) and the values, int8 widened, are summed two keys a lane the same way, each step's sum
+ * added to the float output times 1 / 32767. The float softmax (max, exp, sum) is the float kernel's: l sums the
+ * weights before rounding. Sums stay within int32: at most 128 channels x 32767 x 128 per score (head size 128),
+ * PT_KEYS (128) keys x 32767 x 128 per value channel and step, 5.4e8 < 2^31. */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline void prompt_step_vnni(
     const PJob *J, PGroup *R, const int16_t *KT, const int16_t *V, int64_t b, int64_t kvh, int64_t k0, int64_t nk,
     float *P, int16_t *P16, const int PD) {
@@ -639,9 +638,11 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline int64_t prom
     g_->s0 = first + q * J->tok;
     const int64_t ntok = J->S - g_->s0 < J->tok ? J->S - g_->s0 : J->tok;
     g_->nr = ntok * G;
-    memset(g_->Q, 0, sizeof(float) * PT_ROWS * PD);
+    if (VNNI)
+      memset(g_->Q16, 0, sizeof(int16_t) * PT_ROWS * PD);
+    else
+      memset(g_->Q, 0, sizeof(float) * PT_ROWS * PD);
     memset(g_->O, 0, sizeof(float) * PT_ROWS * PD);
-    if (VNNI) memset(g_->Q16, 0, sizeof(int16_t) * PT_ROWS * PD);
     for (int64_t r = 0; r < PT_ROWS; r++) {
       g_->qs[r] = 0.f, g_->m[r] = -INFINITY, g_->l[r] = 0.f, g_->last[r] = -1;
       if (r >= g_->nr) continue;

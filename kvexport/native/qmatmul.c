@@ -24,7 +24,6 @@
  * Threading: ONNX Runtime's intra-op pool (KernelContext_ParallelFor), so `intra_op_num_threads` holds.
  */
 #define _GNU_SOURCE /* madvise, MADV_HUGEPAGE */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,7 +58,7 @@ typedef struct {
 __attribute__((target("avx512f,avx512bw"))) static void quantize_block_avx512(const float *x, int8_t *qo, float *s,
                                                                                int32_t *zsum) {
   const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-  /* max(a, b) gives b where a is NaN: a NaN is left out, as the scalar comparison leaves it */
+  /* max(a, b) gives b where a is NaN: a NaN is left out of amax */
   const __m512 m = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
   const float amax = _mm512_reduce_max_ps(m), inv = amax > 0.f ? 127.f / amax : 0.f;
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
