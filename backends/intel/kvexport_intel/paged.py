@@ -39,14 +39,19 @@ PA_OP = "PagedAttentionExtension"
 KEY_CACHE, SLIDING_WINDOW = 3, 10  # PagedAttentionExtension's input ports (OpenVINO 2026.4)
 
 
-def to_paged(model: Any, windows: Sequence[int | None], split_packed: bool = False) -> str | None:
+# The load option paged_split's forms: which packed projections the paged form cuts, by their split's piece count
+# (the IR packs q|k|v as three pieces and gate|up as two; kvexport.decoder).
+SPLITS = {"none": (), "qkv": (3,), "all": (2, 3)}
+
+
+def to_paged(model: Any, windows: Sequence[int | None], split: str = "none") -> str | None:
     """Apply OpenVINO's SDPA-to-paged-attention transformation to `model` in place; returns why the
     result cannot serve as batched rows (None: it can). Every attention layer must have become a
     PagedAttentionExtension, no state may be left, and the inputs must be the ones PagedRows drives.
     windows[i]: layer i's sliding window (None: the whole past). The IR carries a window in its mask,
     which paged attention does not read, so each sliding layer's op gets it as its `sliding_window`
-    input (a key at most window - 1 positions behind the query is seen, as in transformers). split_packed: cut
-    the packed q|k|v and gate|up projections into one MatMul per piece (split_packed_matmuls; the load option
+    input (a key at most window - 1 positions behind the query is seen, as in transformers). split: which packed
+    projections to cut into one MatMul per piece (a key of SPLITS; split_packed_matmuls; the load option
     paged_split)."""
     import openvino.opset13 as opset
     from openvino._offline_transformations import paged_attention_transformation
@@ -69,8 +74,8 @@ def to_paged(model: Any, windows: Sequence[int | None], split_packed: bool = Fal
     if "ReadValue" in ops or "Assign" in ops:
         return "the paged model still keeps state"
     _last_token_logits(model)
-    if split_packed:
-        split_packed_matmuls(model)
+    if SPLITS[split]:
+        split_packed_matmuls(model, SPLITS[split])
     names = {n for p in model.inputs for n in p.get_names()}
     need = {"input_ids", "position_ids", *SEQUENCE_INPUTS,
             *(f"{k}_cache.{i}" for i in range(num_layers) for k in ("key", "value"))}
@@ -83,9 +88,9 @@ def to_paged(model: Any, windows: Sequence[int | None], split_packed: bool = Fal
     return None
 
 
-def split_packed_matmuls(model: Any) -> int:
-    """Replace each MatMul whose only use is a VariadicSplit of its last axis (the IR's packed q|k|v and gate|up
-    projections) by one MatMul per piece over that piece's rows of the weight. On a prompt the plugin runs the split
+def split_packed_matmuls(model: Any, pieces: Sequence[int] = (2, 3)) -> int:
+    """Replace each MatMul whose only use is a VariadicSplit of its last axis into one of `pieces` pieces (the IR's
+    packed q|k|v: 3, gate|up: 2) by one MatMul per piece over that piece's rows of the weight. On a prompt the plugin runs the split
     as a reference copy of every token's whole projection (PERF_COUNT over a 4096-token paged prefill of bench-125m:
     VariadicSplit ~2% of node time, AMD EPYC Zen 3 AVX2; 3% with int4 weights on a Zen 4, where the gate's Swish
     also stayed a node of its own instead of joining its matmul); separate MatMuls write each piece where it is
@@ -93,11 +98,14 @@ def split_packed_matmuls(model: Any) -> int:
     compressed (NNCF's int8/int4: Constant -> Convert -> [Subtract zero point] -> Multiply scale -> [Reshape] ->
     [Convert]), whose weight, zero point and scale constants are cut along their output rows alike (_weight_rows).
     MatMuls with uses other than the split and the ShapeOf of its lengths, or a weight of another form, are left
-    alone. Returns how many were split."""
+    alone. A piece's constants are views of the packed ones (rows are contiguous), so nothing is copied. Returns
+    how many were split."""
     import openvino.opset13 as opset
 
     done = 0
     for split in [op for op in model.get_ordered_ops() if op.get_type_name() == "VariadicSplit"]:
+        if len(split.outputs()) not in pieces:
+            continue
         mm, axis = split.input_value(0).get_node(), split.input_value(1).get_node()
         if mm.get_type_name() != "MatMul" or axis.get_type_name() != "Constant":
             continue
@@ -139,7 +147,8 @@ _DECOMPRESSION = ("Convert", "Subtract", "Multiply", "Reshape")  # the ops betwe
 def _weight_rows(value: Any, start: int, n: int, total: int) -> Any:
     """Rows start..start+n of a MatMul's (total, in) weight `value`, rebuilt as the same ops over cut constants
     (an f32 Constant, or a compressed weight's decompression); None where the weight takes another form or a
-    constant cannot be cut at a byte (an odd count of 4-bit values a row)."""
+    constant cannot be cut at a byte (an odd count of 4-bit values a row). A cut constant shares the packed one's
+    memory (the weight file's mapping): the packed form's bytes, not a copy of them."""
     import openvino as ov
     import openvino.opset13 as opset
 
@@ -156,9 +165,9 @@ def _weight_rows(value: Any, start: int, n: int, total: int) -> Any:
             return None
         raw = np.ascontiguousarray(node.get_data()).view(np.uint8).reshape(-1)  # its bytes, not a copy
         size = row * bits // 8
-        cut = ov.Tensor(etype, [n, *shape[1:]])
-        cut.data.view(np.uint8).reshape(-1)[:] = raw[start * size:(start + n) * size]
-        return opset.constant(cut).output(0)
+        # the view keeps the packed constant's memory alive (numpy's base chain) as long as the cut one lives
+        cut = ov.Tensor(raw[start * size:(start + n) * size], [n, *shape[1:]], etype)
+        return ov.op.Constant(cut, shared_memory=True).output(0)
     if kind not in _DECOMPRESSION:
         return None
     if kind == "Reshape":

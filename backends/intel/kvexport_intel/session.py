@@ -117,9 +117,9 @@ class IntelSession(Session):
         self._paged: tuple[Any, str | None] | None = None  # (compiled paged model or None, why not)
         self.state_names: list[str] = []  # the K/V variables, layer after layer, key then value (open_session)
         self.paged_prefill_min = PAGED_PREFILL_MIN  # the load option paged_prefill_min: a fresh prompt this long is paged
-        # the load option paged_split: packed projections cut into one matmul per piece in the paged form (decode
-        # steps were 2-8% slower cut, prompts of 4096 tokens ~3% faster; docs/backends/intel.md)
-        self.paged_split = False
+        # the load option paged_split, resolved (paged_split_of): which packed projections the paged form cuts into one
+        # matmul per piece (kvexport_intel.paged.SPLITS)
+        self.paged_split = "none"
         # set by open_session: the same engine compiled at f32 activations with a given cache precision
         self.cache_twin: Callable[[str], IntelSession] | None = None
 
@@ -199,7 +199,7 @@ class IntelSession(Session):
         model = read_engine(core, self.model_path)
         if config.get("KEY_CACHE_PRECISION") == "u8":
             config = {**config, "KEY_CACHE_QUANT_MODE": PAGED_KEY_QUANT}
-        why, compiled = to_paged(model, self.windows, split_packed=self.paged_split), None
+        why, compiled = to_paged(model, self.windows, self.paged_split), None
         if why is None and self.facts.get("kv_precision") == "i8":
             from kvexport_intel.int8_blocks import kernels, library, to_int8_blocks
 

@@ -360,8 +360,9 @@ def test_a_step_paged_attention_cannot_take_hands_over(intel_artifacts: dict, kv
 
 
 def test_paged_form_splits_the_packed_projections(intel_artifacts: dict) -> None:
-    """The paged form runs the IR's packed q|k|v and gate|up projections as one MatMul per piece (no VariadicSplit
-    copy of every token's projection), with the packed form's logits."""
+    """The paged form runs the IR's packed q|k|v projection (qkv), or that and gate|up (all), as one MatMul per piece
+    (no VariadicSplit copy of every token's projection), each piece's weight a view of the packed one's memory, with
+    the packed form's logits."""
     import openvino as ov
 
     from kvexport_intel.paged import PagedRows, to_paged
@@ -378,36 +379,57 @@ def test_paged_form_splits_the_packed_projections(intel_artifacts: dict) -> None
     def matmuls(model: ov.Model) -> int:
         return sum(op.get_type_name() == "MatMul" for op in model.get_ordered_ops())
 
+    def weights(model: ov.Model) -> list[tuple[int, int]]:  # each matmul weight's memory: (address, bytes)
+        found = []
+        for op in model.get_ordered_ops():
+            if op.get_type_name() == "MatMul" and op.input_value(1).get_node().get_type_name() == "Constant":
+                data = op.input_value(1).get_node().get_data()
+                found.append((data.ctypes.data, data.nbytes))
+        return found
+
     logits, counts = [], []
-    for split in (False, True):
+    for split in ("none", "qkv", "all"):
         model = core.read_model(engine.session.model_path)
-        assert to_paged(model, engine.session.windows, split_packed=split) is None
-        assert split_matmuls(model) == (0 if split else 2 * layers)
+        packed = weights(model)
+        assert to_paged(model, engine.session.windows, split) is None
+        assert split_matmuls(model) == {"none": 2, "qkv": 1, "all": 0}[split] * layers
         counts.append(matmuls(model))
+        # the pieces lie inside the packed weights' memory: the cut copies nothing
+        for address, size in weights(model):
+            assert any(start <= address and address + size <= start + n for start, n in packed), (address, size)
         rows = PagedRows(core.compile_model(model, "CPU", engine.session.compile_config), rows=1, max_seq=PROMPT,
                          num_layers=layers, vocab_size=engine.vocab_size)
         logits.append(rows.extend(0, np.array(prompt_ids(PROMPT, seed=9))).copy())
-    assert counts[1] == counts[0] + 3 * layers  # q|k|v into three, gate|up into two; no packed MatMul left running
-    gap = float(np.abs(logits[0] - logits[1]).max())
-    assert gap <= tolerance("intel", "fp32").max_abs_logit, gap
+    # q|k|v into three (two more a layer), gate|up into two (one more); no packed MatMul left running
+    assert counts[1] == counts[0] + 2 * layers and counts[2] == counts[0] + 3 * layers
+    for cut in logits[1:]:
+        gap = float(np.abs(logits[0] - cut).max())
+        assert gap <= tolerance("intel", "fp32").max_abs_logit, gap
 
 
 def test_the_load_option_paged_split_chooses_the_paged_forms_projections(intel_artifacts: dict) -> None:
-    """Packed by default (each request decodes paged, where the pieces cost a step more than they save a prompt);
-    paged_split=true cuts them in the compiled paged form, with the packed form's greedy tokens; a value that is not
-    a boolean is refused at load."""
-    from kvexport_intel import lowering
+    """auto cuts q|k|v where weights are f32 and activations f32 (decode steps faster cut there) and nothing
+    otherwise; an explicit qkv, all or none is compiled as asked, with the same greedy tokens; a value that is not
+    one of them is refused at load."""
+    from kvexport_intel import lowering, paged_split_of
 
+    assert paged_split_of("auto", "fp32", compressed=False) == "qkv"
+    assert paged_split_of("auto", "bf16", compressed=False) == "none"
+    assert paged_split_of("auto", "fp32", compressed=True) == "none"
+    assert paged_split_of("all", "bf16", compressed=True) == "all"
     _, art = intel_artifacts["llama"]
-    splits, tokens = [], []
-    for value in (None, "true"):
+    splits, tokens = {}, []
+    for value in (None, "none", "all"):
         engine = kvexport.load(str(art), precision="fp32", **({"paged_split": value} if value else {}))
         compiled, why = engine.session.paged_model()
         assert why is None
-        assert engine.session.describe()["paged_split"] is (value == "true")
-        splits.append(lowering.runtime_op_counts(compiled)["Split"])
+        chosen = engine.session.describe()["paged_split"]
+        assert chosen == (value or "qkv")
+        splits[chosen] = lowering.runtime_op_counts(compiled)["Split"]
         tokens.append(engine.generate(prompt_ids(PROMPT, seed=12), max_new_tokens=8).token_ids)
-    assert splits[0] >= 2 * engine.session.num_layers and splits[1] == splits[0] - 2 * engine.session.num_layers
-    assert tokens[0] == tokens[1]
+    layers = engine.session.num_layers
+    assert splits["none"] >= 2 * layers
+    assert splits["qkv"] == splits["none"] - layers and splits["all"] == splits["none"] - 2 * layers
+    assert tokens[0] == tokens[1] == tokens[2]
     with pytest.raises(InputError, match="paged_split"):
         kvexport.load(str(art), paged_split="sometimes")

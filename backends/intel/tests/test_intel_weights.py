@@ -125,12 +125,12 @@ def test_paged_form_splits_compressed_packed_projections(mode: str, builds: _Bui
     layers, core = engine.session.num_layers, ov.Core()
     ids = np.random.default_rng(4).integers(0, engine.vocab_size, 40)
     logits, runs = [], []
-    for split in (False, True):
+    for split in ("none", "all"):
         model = core.read_model(engine.session.model_path)
-        assert to_paged(model, engine.session.windows, split_packed=split) is None
+        assert to_paged(model, engine.session.windows, split) is None
         packed = sum(op.get_type_name() == "VariadicSplit" and op.input_value(0).get_node().get_type_name() == "MatMul"
                      for op in model.get_ordered_ops())
-        assert packed == (0 if split else 2 * layers)
+        assert packed == (0 if split == "all" else 2 * layers)
         compiled = core.compile_model(model, "CPU", {**engine.session.compile_config, "PERF_COUNT": True})
         rows = PagedRows(compiled, rows=1, max_seq=MAX_SEQ, num_layers=layers, vocab_size=engine.vocab_size)
         logits.append(rows.extend(0, ids).copy())
