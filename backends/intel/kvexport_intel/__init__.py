@@ -49,11 +49,9 @@ OPTIONS = (
     Option("paged_prefill_min", "int", None, "a fresh one-row prompt of at least this many tokens is prefilled and "
            "decoded through OpenVINO paged attention (default 1: every one; shorter ones take the fused attention "
            "with state)", phase="load"),
-    Option("paged_split", "str", "auto", "which packed projections the paged-attention form runs as one matmul per "
-           "piece: qkv (q|k|v cut; decode steps ~5% faster and prompts ~1.5% with f32 weights at f32 activations), all "
-           "(gate|up too: prompts a few percent faster at thousands of tokens, decode steps 3-6% slower), none, or auto "
-           "(qkv for f32 weights at f32 activations, otherwise none); the pieces share the packed weights' memory",
-           choices=("auto", "none", "qkv", "all"), phase="load"),
+    Option("paged_split", "str", "none", "which packed projections the paged-attention form runs as one matmul per "
+           "piece: none, qkv (q|k|v) or all (gate|up too: prompts of thousands of tokens ~2% faster, decode steps "
+           "~7% slower); the pieces share the packed weights' memory", choices=("none", "qkv", "all"), phase="load"),
     Option("huge_pages", "bool", True, "place the weights the plugin prepares (its repacked or converted copies, made "
            "at load by one warm-up token) in huge pages", phase="load"),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
@@ -296,7 +294,8 @@ class IntelBackend(Backend):
 
         from kvexport_intel import lowering
 
-        paged_split = parse_option(next(o for o in OPTIONS if o.name == "paged_split"), options.get("paged_split"))
+        split_option = next(o for o in OPTIONS if o.name == "paged_split")
+        paged_split = parse_option(split_option, options.get("paged_split")) or split_option.default
         paged_min = parse_option(next(o for o in OPTIONS if o.name == "paged_prefill_min"),
                                  options.get("paged_prefill_min"))
         if paged_min is not None and paged_min < 1:
@@ -329,7 +328,6 @@ class IntelBackend(Backend):
                           parse_bool("numa_bind", options.get("numa_bind", built.get("numa_bind", True))))
         threads = threads or built.get("threads") or placement["threads"]
         compressed = (target.get("weights") or {}).get("dtype") in compress.BLOCK_MODES
-        paged_split = paged_split_of(paged_split or "auto", precision, compressed)
         config = _compile_config(precision, kv, int(threads), pinned=True, compressed=compressed)
         huge = parse_bool("huge_pages", options.get("huge_pages", True))
         before = anonymous_regions() if huge else None  # what the plugin maps from here on is the engine's
@@ -468,18 +466,6 @@ def _weights_mode(options: BuildOptions) -> str | None:
     if weights not in WEIGHT_MODES:
         raise InputError(f"the intel target builds --weights {', '.join(WEIGHT_MODES)}, not {asked!r}")
     return weights
-
-
-def paged_split_of(option: str, precision: str, compressed: bool) -> str:
-    """The paged form's cut (kvexport_intel.paged.SPLITS) for the load option paged_split: auto is qkv for f32 weights at f32
-    activations, where the cut q|k|v matmuls ran decode steps 0.95-0.97x the packed one's time and a 4096-token
-    prefill ~0.98x (bench-125m, AMD EPYC Zen 4; the packed q|k|v matmul and its split copy cost more than three
-    GEMVs), and none otherwise: at bf16 activations the cut step took 1.04x, with int4 weights 1.00-1.02x
-    (docs/backends/intel.md). gate|up stays packed unless asked for (all): its gate piece takes the Swish into its
-    matmul, whose kernel ran decode steps slower."""
-    if option != "auto":
-        return option
-    return "qkv" if precision == "fp32" and not compressed else "none"
 
 
 def _compile_config(precision: str, kv: str, threads: int, pinned: bool, compressed: bool = False) -> dict[str, Any]:

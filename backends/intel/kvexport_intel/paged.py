@@ -90,16 +90,16 @@ def to_paged(model: Any, windows: Sequence[int | None], split: str = "none") -> 
 
 def split_packed_matmuls(model: Any, pieces: Sequence[int] = (2, 3)) -> int:
     """Replace each MatMul whose only use is a VariadicSplit of its last axis into one of `pieces` pieces (the IR's
-    packed q|k|v: 3, gate|up: 2) by one MatMul per piece over that piece's rows of the weight. On a prompt the plugin runs the split
-    as a reference copy of every token's whole projection (PERF_COUNT over a 4096-token paged prefill of bench-125m:
-    VariadicSplit ~2% of node time, AMD EPYC Zen 3 AVX2; 3% with int4 weights on a Zen 4, where the gate's Swish
-    also stayed a node of its own instead of joining its matmul); separate MatMuls write each piece where it is
-    used, as optimum-intel's IR (separate q/k/v and gate/up projections) does. The weight is an f32 Constant, or
-    compressed (NNCF's int8/int4: Constant -> Convert -> [Subtract zero point] -> Multiply scale -> [Reshape] ->
-    [Convert]), whose weight, zero point and scale constants are cut along their output rows alike (_weight_rows).
+    packed q|k|v: 3, gate|up: 2) by one MatMul per piece over that piece's rows of the weight. On a prompt the
+    plugin runs the split as a reference copy of every token's whole projection (PERF_COUNT over a 4096-token paged
+    prefill of bench-125m: VariadicSplit ~2% of node time, AMD EPYC Zen 3 AVX2; 3% with int4 weights on a Zen 4,
+    where the gate's Swish also stayed a node of its own instead of joining its matmul); separate MatMuls write each
+    piece where it is used, as optimum-intel's IR (separate q/k/v and gate/up projections) does. The weight is an
+    f32 Constant, or compressed (NNCF's int8/int4: Constant -> Convert -> [Subtract zero point] -> Multiply scale
+    -> [Reshape] -> [Convert]), whose weight, zero point and scale constants are cut along their output rows alike
+    (_weight_rows), each piece's constants a view of the packed ones (rows are contiguous): nothing is copied.
     MatMuls with uses other than the split and the ShapeOf of its lengths, or a weight of another form, are left
-    alone. A piece's constants are views of the packed ones (rows are contiguous), so nothing is copied. Returns
-    how many were split."""
+    alone. Returns how many were split."""
     import openvino.opset13 as opset
 
     done = 0

@@ -117,8 +117,8 @@ class IntelSession(Session):
         self._paged: tuple[Any, str | None] | None = None  # (compiled paged model or None, why not)
         self.state_names: list[str] = []  # the K/V variables, layer after layer, key then value (open_session)
         self.paged_prefill_min = PAGED_PREFILL_MIN  # the load option paged_prefill_min: a fresh prompt this long is paged
-        # the load option paged_split, resolved (paged_split_of): which packed projections the paged form cuts into one
-        # matmul per piece (kvexport_intel.paged.SPLITS)
+        # the load option paged_split: which packed projections the paged form cuts into one matmul per piece
+        # (kvexport_intel.paged.SPLITS; docs/backends/intel.md)
         self.paged_split = "none"
         # set by open_session: the same engine compiled at f32 activations with a given cache precision
         self.cache_twin: Callable[[str], IntelSession] | None = None
