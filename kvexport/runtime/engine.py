@@ -304,9 +304,12 @@ def left_padded(pad: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
     attention mask (B, S, S), causal with no pad keys and a pad query seeing itself only (its row stays finite); a
     sliding-window layer's band is the graph's own (Decoder.decode)."""
     i = np.arange(S)
-    valid = i[None, :] >= pad[:, None]
-    mask = (i[None, None, :] <= i[None, :, None]) & valid[:, None, :]
-    mask[:, i, i] |= ~valid
+    tri = np.tri(S, dtype=bool)[None]  # key j <= query i: one pass over S x S
+    mask = tri if len(pad) == 1 else tri.repeat(len(pad), axis=0)
+    if pad.any():  # a padded row: its pad keys hidden, each pad query seeing itself only
+        valid = i[None, :] >= pad[:, None]
+        mask &= valid[:, None, :]
+        mask[:, i, i] |= ~valid
     return np.maximum(i[None, :] - pad[:, None], 0), mask
 
 
