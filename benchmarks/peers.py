@@ -20,7 +20,8 @@ calls of that many tokens instead of the runtime's PREFILL_PIECE (before against
 an intel artifact written `ART@paged_min=100000` prefills every prompt in one stateful call, as before the
 paged prefill (the intel load option paged_prefill_min), and `ART@precision=fp32` runs it in fp32 where the CPU
 would take bf16 (the intel load option precision), `ART@paged_split=all` cuts its paged form's packed
-projections (the intel load option paged_split: none, qkv, all), `ART@kv_precision=i8` holds kvexport's own int8 cache (the intel
+projections (the intel load option paged_split: none, qkv, all; prompt_split the same for a second form
+that runs prompts), `ART@kv_precision=i8` holds kvexport's own int8 cache (the intel
 load option kv_precision); a cpu artifact written `ART@huge_pages=false` keeps its
 repacked weights in small pages (the cpu load option huge_pages; where each engine's weights lie is printed), and
 `ART@native_attention=false` or `ART@native_matmul=false` runs ONNX Runtime's kernels in place of kvexport's own.
@@ -91,7 +92,8 @@ class KvexportRunner:
             session.PREFILL_PIECE = int(options["piece"])
         # paged_min: the intel target's long-prompt threshold, its load option paged_prefill_min
         load: dict[str, object] = {"paged_prefill_min": int(options["paged_min"])} if "paged_min" in options else {}
-        for key in ("huge_pages", "native_matmul", "native_attention", "precision", "paged_split", "kv_precision"):
+        for key in ("huge_pages", "native_matmul", "native_attention", "precision", "paged_split", "prompt_split",
+                    "kv_precision"):
             if key in options:  # load options of those names: cpu: the repacked weights in huge pages, kvexport's own
                 load[key] = options[key]  # kernels (or not); intel: the precision it runs in, the paged form's
                 # projections cut, the cache precision it holds
@@ -352,13 +354,14 @@ class Worker:
 
 SPEC_KEYS = {"openvino": ("kv", "batched_tokens", "precision"),
              "kvexport": ("piece", "paged_min", "huge_pages", "native_matmul", "native_attention", "precision",
-                          "paged_split", "kv_precision"),
+                          "paged_split", "prompt_split", "kv_precision"),
              "ortgenai": ()}
 # the worded options; the others are positive integers
 CHOICES = {"kv": OV_KV, "precision": OV_PRECISION, **{k: ("true", "false") for k in
                                                       ("huge_pages", "native_matmul", "native_attention")}}
 KVEXPORT_CHOICES = {"precision": ("fp32", "bf16"),  # the intel target's load options
                     "paged_split": ("none", "qkv", "all"),
+                    "prompt_split": ("same", "none", "qkv", "all"),
                     "kv_precision": ("f32", "f16", "bf16", "u8", "i8")}
 
 
@@ -369,8 +372,8 @@ def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
     max_num_batched_tokens; unlimited where not given, as LLMPipeline's own latency default); a kvexport
     artifact takes piece=N (the prompt tokens one engine call takes, kvexport.runtime.session.PREFILL_PIECE), on
     the intel target paged_min=N (the shortest prompt prefilled through paged attention: the load option
-    paged_prefill_min), precision=fp32|bf16 (the precision it runs in, its load option), paged_split=none|qkv|all and
-    kv_precision=f32|f16|bf16|u8|i8 (its load options), on the cpu target
+    paged_prefill_min), precision=fp32|bf16 (the precision it runs in, its load option), paged_split=none|qkv|all,
+    prompt_split=same|none|qkv|all and kv_precision=f32|f16|bf16|u8|i8 (its load options), on the cpu target
     huge_pages, native_matmul and native_attention=true|false (its load options)."""
     folder, _, tail = text.partition("@")
     kind = kind_of(Path(folder))

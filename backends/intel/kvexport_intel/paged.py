@@ -234,12 +234,17 @@ class PagedRows(Rows):
     batched = True
     bind_one_token_steps = True  # False: every step hands infer() fresh arrays (_one_token_inputs says why not)
 
-    def __init__(self, compiled: Any, *, rows: int, max_seq: int, num_layers: int, vocab_size: int):
+    def __init__(self, compiled: Any, *, rows: int, max_seq: int, num_layers: int, vocab_size: int,
+                 prompt_compiled: Any = None):
+        """prompt_compiled: another paged form of the same model (its projections cut otherwise: the load option
+        prompt_split) that runs every step of more than one token a row, over the same block caches; None: the
+        steps of prompts run `compiled` too."""
         import openvino as ov
 
         super().__init__(rows, max_seq)
         self.compiled, self.num_layers = compiled, num_layers
         self.request = compiled.create_infer_request()
+        self.prompt_request = None if prompt_compiled is None else prompt_compiled.create_infer_request()
         # tokens per block, as the plugin compiled it: (blocks, kv_heads, block, head_dim) for the value cache
         # (a u8 key cache appends its per-block scales along that axis, so the key cache does not say it)
         self.block = int(compiled.input("value_cache.0").get_partial_shape()[2].get_length())
@@ -259,6 +264,8 @@ class PagedRows(Rows):
                     buf = aligned_zeros(shape, etype.to_dtype())
                     tensor = ov.Tensor(buf, shared_memory=True)
                 self.request.set_tensor(f"{kind}_cache.{i}", tensor)
+                if self.prompt_request is not None:
+                    self.prompt_request.set_tensor(f"{kind}_cache.{i}", tensor)
                 self.caches.append(buf)
         self.unused = list(range(self.num_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
         self.tables: list[list[int]] = [[] for _ in range(rows)]
@@ -297,14 +304,18 @@ class PagedRows(Rows):
         past = self.held[rows]
         for r, h, c in zip(rows, past, counts):
             self._grow(int(r), int(h + c))
+        request = self.request
         if self.bind_one_token_steps and len(ids) == len(rows) and int(counts.max()) == 1:  # a decode step
             self._one_token_inputs(rows, ids, past)
-            self.request.infer(share_outputs=True)
+            request.infer(share_outputs=True)
         else:
-            self._bound = None  # the fresh arrays replace the bound ones
-            self.request.infer(self._fresh_inputs(rows, ids, counts, past), share_inputs=True, share_outputs=True)
+            if self.prompt_request is not None and int(counts.max()) > 1:
+                request = self.prompt_request
+            else:
+                self._bound = None  # the fresh arrays replace the bound ones
+            request.infer(self._fresh_inputs(rows, ids, counts, past), share_inputs=True, share_outputs=True)
         self.held[rows] = past + counts
-        return self.request.get_output_tensor(0).data.reshape(-1, self.vocab_size)  # (T, V)
+        return request.get_output_tensor(0).data.reshape(-1, self.vocab_size)  # (T, V)
 
     def _fresh_inputs(self, rows: np.ndarray, ids: np.ndarray, counts: np.ndarray,
                       past: np.ndarray) -> dict[str, np.ndarray]:
@@ -381,4 +392,4 @@ class PagedRows(Rows):
         for i in range(self.rows):
             self.free(i)
         self.caches = []
-        self.request = None
+        self.request = self.prompt_request = None

@@ -120,6 +120,10 @@ class IntelSession(Session):
         # the load option paged_split: which packed projections the paged form cuts into one matmul per piece
         # (kvexport_intel.paged.SPLITS; docs/backends/intel.md)
         self.paged_split = "none"
+        # the load option prompt_split: the cut of a second paged form that runs every step of more than one token a
+        # row over the same blocks; paged_split's (the load option's "same"): no second form
+        self.prompt_split = "none"
+        self._prompt_form: tuple[Any, str | None] | None = None  # (compiled prompt form or None, why not)
         # set by open_session: the same engine compiled at f32 activations with a given cache precision
         self.cache_twin: Callable[[str], IntelSession] | None = None
 
@@ -183,10 +187,30 @@ class IntelSession(Session):
         one PagedAttention per layer)."""
         with self._lock:
             if self._paged is None:
-                self._paged = self._compile_paged(self.compile_config)
+                self._paged = self._compile_paged(self.compile_config, self.paged_split)
             return self._paged
 
-    def _compile_paged(self, config: dict[str, Any]) -> tuple[Any, str | None]:
+    def prompt_form(self) -> Any:
+        """The paged form that prompts run where prompt_split differs from paged_split (compiled once per session,
+        after paged_model), else None: prompts run the decode form. Also None where it does not compile (why in
+        facts["prompt_form"]): the decode form then takes the prompts."""
+        if self.prompt_split == self.paged_split:
+            return None
+        with self._lock:
+            if self._prompt_form is None:
+                self._prompt_form = self._compile_paged(self.compile_config, self.prompt_split)
+                why = self._prompt_form[1]
+                self.facts["prompt_form"] = (f"prompts through a second paged form, projections cut: "
+                                             f"{self.prompt_split}" if why is None else f"the decode form's: {why}")
+            return self._prompt_form[0]
+
+    def _paged_rows(self, compiled: Any, rows: int, max_seq: int) -> Any:
+        from kvexport_intel.paged import PagedRows
+
+        return PagedRows(compiled, rows=rows, max_seq=max_seq, num_layers=self.num_layers, vocab_size=self.vocab_size,
+                         prompt_compiled=self.prompt_form())
+
+    def _compile_paged(self, config: dict[str, Any], split: str) -> tuple[Any, str | None]:
         import openvino as ov
 
         from kvexport_intel.paged import to_paged
@@ -199,7 +223,7 @@ class IntelSession(Session):
         model = read_engine(core, self.model_path)
         if config.get("KEY_CACHE_PRECISION") == "u8":
             config = {**config, "KEY_CACHE_QUANT_MODE": PAGED_KEY_QUANT}
-        why, compiled = to_paged(model, self.windows, self.paged_split), None
+        why, compiled = to_paged(model, self.windows, split), None
         if why is None and self.facts.get("kv_precision") == "i8":
             from kvexport_intel.int8_blocks import kernels, library, to_int8_blocks
 
@@ -230,10 +254,7 @@ class IntelSession(Session):
         self.facts["batch_rows"] = "paged attention" if why is None else f"one InferRequest per row: {why}"
         if compiled is None:
             return None
-        from kvexport_intel.paged import PagedRows
-
-        return PagedRows(compiled, rows=rows, max_seq=self.max_seq, num_layers=self.num_layers,
-                         vocab_size=self.vocab_size)
+        return self._paged_rows(compiled, rows, self.max_seq)
 
     def compile_long_prompt_form(self) -> str | None:
         """Compile now the paged form a long prompt takes (prefill_model), where this engine can hold one; returns why
@@ -243,7 +264,10 @@ class IntelSession(Session):
         weight file, but its unique memory by only ~32 MB on bench-125m (the file's pages are shared)."""
         if self.ring is not None or not self.state_names or self.limit < self.paged_prefill_min:
             return "no prompt this engine holds takes the paged form"
-        return self.prefill_model()[1]
+        why = self.prefill_model()[1]
+        if why is None:
+            self.prompt_form()
+        return why
 
     def warm_up(self) -> None:
         """One token through the path a fresh one-row request takes (paged or the state's), so that the plugin
@@ -254,6 +278,12 @@ class IntelSession(Session):
             self.step(state, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), np.ones((1, 1, 1, 1), bool))
         finally:
             self.release(state)
+        if self._prompt_form is not None and self._prompt_form[0] is not None:  # prompts run a form of their own
+            state = self.new_state(1, 2)
+            try:
+                self.step(state, np.zeros((1, 2), np.int64), np.arange(2)[None], np.tri(2, dtype=bool)[None, None])
+            finally:
+                self.release(state)
 
     # --- state -----------------------------------------------------------------------------
     def new_state(self, batch: int, capacity: int) -> IntelState:
@@ -373,15 +403,12 @@ class IntelSession(Session):
         self.facts["long_prefill"] = f"one stateful call: {why}" if why is not None else "paged attention, decode paged"
         if compiled is None:
             return None
-        from kvexport_intel.paged import PagedRows
-
         t0 = time.perf_counter()
         if B == 1:
             state.rows = self._one_row(compiled)
             logits = state.rows.extend(0, input_ids[0])[None]  # (1, vocab), a view of the request's output as _step's
         else:  # the rows' prompts without their padding, in one infer: (B, vocab), each row's last token
-            state.rows = PagedRows(compiled, rows=B, max_seq=self.limit, num_layers=self.num_layers,
-                                   vocab_size=self.vocab_size)
+            state.rows = self._paged_rows(compiled, B, self.limit)
             logits = state.rows.prompts([row[pad:] for row, pad in zip(input_ids, pads)])
         state.run_seconds += time.perf_counter() - t0
         state.steps += 1
@@ -394,12 +421,10 @@ class IntelSession(Session):
         """A block cache of one row for a fresh paged request: a finished request's (its blocks freed; the pages it
         wrote and its InferRequest kept, as the stateful requests' pool keeps theirs) or else a new one, with blocks
         for the engine's whole limit, calloc'd so that only the blocks a row writes become resident."""
-        from kvexport_intel.paged import PagedRows
-
         with self._lock:
             if self._row_pool:
                 return self._row_pool.pop()
-        return PagedRows(compiled, rows=1, max_seq=self.limit, num_layers=self.num_layers, vocab_size=self.vocab_size)
+        return self._paged_rows(compiled, 1, self.limit)
 
     def _give_back(self, rows: Any) -> None:
         if rows.rows != 1:  # a batch's: its block cache is not kept (a batch of another size would not fit it)

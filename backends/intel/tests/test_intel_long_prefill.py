@@ -429,3 +429,35 @@ def test_the_load_option_paged_split_chooses_the_paged_forms_projections(intel_a
     assert tokens[0] == tokens[1] == tokens[2]
     with pytest.raises(InputError, match="paged_split"):
         kvexport.load(str(art), paged_split="sometimes")
+
+
+def test_the_load_option_prompt_split_runs_prompts_through_a_second_form(intel_artifacts: dict) -> None:
+    """prompt_split=all compiles a second paged form, every projection cut, that runs the steps of prompts over the
+    same blocks while decode steps keep the packed form: the prompt's logits come out of the prompt form's request,
+    the decode step's out of the decode form's, both within the fp32 row of the default engine's, the same greedy
+    tokens. The default (same) compiles no second form; another value is refused."""
+    _, art = intel_artifacts["llama"]
+    ids = prompt_ids(PROMPT, seed=14)
+    plain = kvexport.load(str(art), precision="fp32")
+    assert plain.session.describe()["prompt_split"] == "none" and plain.session.prompt_form() is None
+    cut = kvexport.load(str(art), precision="fp32", prompt_split="all")
+    assert cut.session.describe()["prompt_split"] == "all"
+    assert "second paged form" in cut.session.describe()["prompt_form"]
+    row = tolerance("intel", "fp32").max_abs_logit
+    batches = [engine.prefill(ids, STEPS) for engine in (plain, cut)]
+    rows = batches[1].state.rows
+    assert rows.prompt_request is not None and batches[0].state.rows.prompt_request is None
+    prompt_out = rows.prompt_request.get_output_tensor(0).data.reshape(-1, cut.vocab_size)[-1]
+    assert np.array_equal(prompt_out, batches[1].logits[0])  # the prompt ran the prompt form
+    assert float(np.abs(batches[0].logits - batches[1].logits).max()) <= row
+    token = int(batches[0].logits[0].argmax())
+    steps = [engine.decode(batch, np.array([token])) for engine, batch in zip((plain, cut), batches)]
+    decode_out = rows.request.get_output_tensor(0).data.reshape(-1, cut.vocab_size)[-1]
+    assert np.array_equal(decode_out, steps[1][0])  # the decode step ran the packed form
+    assert float(np.abs(steps[0] - steps[1]).max()) <= row
+    for engine, batch in zip((plain, cut), batches):
+        engine.session.release(batch.state)
+    tokens = [engine.generate(ids, max_new_tokens=STEPS).token_ids for engine in (plain, cut)]
+    assert tokens[0] == tokens[1]
+    with pytest.raises(InputError, match="prompt_split"):
+        kvexport.load(str(art), prompt_split="cut")

@@ -22,9 +22,9 @@ def compiles(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     seen: list[dict] = []
     real = IntelSession._compile_paged
 
-    def counted(self: IntelSession, config: dict) -> tuple:
+    def counted(self: IntelSession, config: dict, split: str) -> tuple:
         seen.append(config)
-        return real(self, config)
+        return real(self, config, split)
 
     monkeypatch.setattr(IntelSession, "_compile_paged", counted)
     return seen
