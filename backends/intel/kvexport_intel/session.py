@@ -278,12 +278,12 @@ class IntelSession(Session):
             self.step(state, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), np.ones((1, 1, 1, 1), bool))
         finally:
             self.release(state)
-        if self._prompt_form is not None and self._prompt_form[0] is not None:  # prompts run a form of their own
-            state = self.new_state(1, 2)
+        if self._prompt_form is not None and self._prompt_form[0] is not None:  # prompts run a form of their own:
+            rows = self._one_row(self.paged_model()[0])  # two tokens through it, whatever paged_prefill_min is
             try:
-                self.step(state, np.zeros((1, 2), np.int64), np.arange(2)[None], np.tri(2, dtype=bool)[None, None])
+                rows.extend(0, np.zeros(2, np.int64))
             finally:
-                self.release(state)
+                self._give_back(rows)
 
     # --- state -----------------------------------------------------------------------------
     def new_state(self, batch: int, capacity: int) -> IntelState:

@@ -433,16 +433,19 @@ def test_the_load_option_paged_split_chooses_the_paged_forms_projections(intel_a
 
 def test_the_load_option_prompt_split_runs_prompts_through_a_second_form(intel_artifacts: dict) -> None:
     """prompt_split=all compiles a second paged form, every projection cut, that runs the steps of prompts over the
-    same blocks while decode steps keep the packed form: the prompt's logits come out of the prompt form's request,
-    the decode step's out of the decode form's, both within the fp32 row of the default engine's, the same greedy
-    tokens. The default (same) compiles no second form; another value is refused."""
+    same blocks while decode steps keep the packed form (the load warms both, whatever paged_prefill_min is): the
+    prompt's logits come out of the prompt form's request, the decode step's out of the decode form's, both within
+    the fp32 row of the default engine's, the same greedy tokens. The default (same) compiles no second form;
+    another value is refused."""
     _, art = intel_artifacts["llama"]
     ids = prompt_ids(PROMPT, seed=14)
-    plain = kvexport.load(str(art), precision="fp32")
+    plain = kvexport.load(str(art), precision="fp32", paged_prefill_min=THRESHOLD)
     assert plain.session.describe()["prompt_split"] == "none" and plain.session.prompt_form() is None
-    cut = kvexport.load(str(art), precision="fp32", prompt_split="all")
+    cut = kvexport.load(str(art), precision="fp32", prompt_split="all", paged_prefill_min=THRESHOLD)
     assert cut.session.describe()["prompt_split"] == "all"
     assert "second paged form" in cut.session.describe()["prompt_form"]
+    warmed = cut.session._row_pool[-1].prompt_request.get_output_tensor(0)  # the load ran both forms once
+    assert int(np.prod(warmed.shape)) == cut.vocab_size
     row = tolerance("intel", "fp32").max_abs_logit
     batches = [engine.prefill(ids, STEPS) for engine in (plain, cut)]
     rows = batches[1].state.rows
