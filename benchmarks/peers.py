@@ -92,11 +92,10 @@ class KvexportRunner:
             session.PREFILL_PIECE = int(options["piece"])
         # paged_min: the intel target's long-prompt threshold, its load option paged_prefill_min
         load: dict[str, object] = {"paged_prefill_min": int(options["paged_min"])} if "paged_min" in options else {}
-        for key in ("huge_pages", "native_matmul", "native_attention", "precision", "paged_split", "prompt_split",
-                    "kv_precision"):
-            if key in options:  # load options of those names: cpu: the repacked weights in huge pages, kvexport's own
-                load[key] = options[key]  # kernels (or not); intel: the precision it runs in, the paged form's
-                # projections cut, the cache precision it holds
+        for key in SPEC_KEYS["kvexport"]:
+            if key in options and key not in ("piece", "paged_min"):  # the others are load options of those names:
+                load[key] = options[key]  # cpu: the repacked weights in huge pages, kvexport's own kernels (or not);
+                # intel: the precision it runs in, the paged forms' projections cut, the cache precision it holds
         self.engine = kvexport.load(str(path), threads=threads, **load)
         self.vocab = self.engine.vocab_size
         target = self.engine.manifest.target or {}

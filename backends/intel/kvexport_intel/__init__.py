@@ -299,11 +299,9 @@ class IntelBackend(Backend):
 
         from kvexport_intel import lowering
 
-        split_option = next(o for o in OPTIONS if o.name == "paged_split")
-        paged_split = parse_option(split_option, options.get("paged_split")) or split_option.default
-        prompt_split = parse_option(next(o for o in OPTIONS if o.name == "prompt_split"), options.get("prompt_split"))
-        paged_min = parse_option(next(o for o in OPTIONS if o.name == "paged_prefill_min"),
-                                 options.get("paged_prefill_min"))
+        paged_split = _given(options, "paged_split") or "none"
+        prompt_split = _given(options, "prompt_split")
+        paged_min = _given(options, "paged_prefill_min")
         if paged_min is not None and paged_min < 1:
             raise InputError(f"paged_prefill_min is a prompt length of at least 1 token, not {paged_min}")
         target = manifest.target or {}
@@ -474,6 +472,11 @@ def _weights_mode(options: BuildOptions) -> str | None:
     if weights not in WEIGHT_MODES:
         raise InputError(f"the intel target builds --weights {', '.join(WEIGHT_MODES)}, not {asked!r}")
     return weights
+
+
+def _given(options: dict[str, Any], name: str) -> Any:
+    """The load option `name` as given, typed and checked against its declaration in OPTIONS; None: not given."""
+    return parse_option(next(o for o in OPTIONS if o.name == name), options.get(name))
 
 
 def _compile_config(precision: str, kv: str, threads: int, pinned: bool, compressed: bool = False) -> dict[str, Any]:
