@@ -464,3 +464,24 @@ def test_the_load_option_prompt_split_runs_prompts_through_a_second_form(intel_a
     assert tokens[0] == tokens[1]
     with pytest.raises(InputError, match="prompt_split"):
         kvexport.load(str(art), prompt_split="cut")
+
+
+def test_a_prompt_mask_with_constant_diagonals_is_judged_by_its_first_row_and_column() -> None:
+    """_causal reads only row 0 and column 0 of a view whose element (i, j) lies at (j - i) strides (Engine.prefill's
+    unpadded mask): each such view that is not the triangle is refused, and every dense mask is read in full."""
+    from numpy.lib.stride_tricks import as_strided
+    from kvexport.runtime.engine import causal
+
+    S = 6
+    for cut in range(1, 2 * S):  # base[:cut] True: the triangle at cut == S only
+        base = np.arange(2 * S - 1) < cut
+        view = as_strided(base[S - 1:], shape=(S, S), strides=(-1, 1), writeable=False)
+        assert intel_session._causal(view) == (cut == S) == np.array_equal(view, np.tri(S, dtype=bool))
+    hole = np.arange(2 * S - 1) < S
+    hole[2] = False  # a hidden key on the diagonal i - j = 3: every diagonal meets row 0 or column 0
+    view = as_strided(hole[S - 1:], shape=(S, S), strides=(-1, 1))
+    assert not intel_session._causal(view)
+    assert intel_session._causal(causal(1, 4096)[0]) and intel_session._causal(np.tri(300, dtype=bool))
+    dense = np.tri(300, dtype=bool)
+    dense[299, 3] = False  # off every diagonal the first row and column show
+    assert not intel_session._causal(dense)
