@@ -205,27 +205,34 @@ def _static_values(value: Any) -> list[int] | None:
     return [int(n) for n in np.ravel(low)] if np.array_equal(low, high) else None
 
 
-def _last_token_logits(model: Any) -> None:
-    """The traced step slices its last token before the lm_head along the sequence axis, which the paged model
-    holds at length 1 (tokens are rows, (T, 1, hidden)), so the slice keeps every token and the lm_head ran over
-    all T: at a 4096-token prompt of bench-125m (vocab 32000) that is ~100 GMAC more, over a fifth of the prefill's
-    matmul work. Replace it with a Gather of each sequence's last token (subsequence_begins[1:] - 1): the logits are
-    (sequences, 1, vocab), one per row, which is all PagedRows reads (a decode step's rows, a prefill's last)."""
+def _last_token_logits(model: Any) -> int:
+    """The traced step keeps the last token alone along the sequence axis (Decoder.decode under last_token_only:
+    the last layer's attention output and residual stream, before its o_proj; in artifacts built before that, the
+    final norm's output, before the lm_head). The paged model holds that axis at length 1 (tokens are rows,
+    (T, 1, hidden)), so such a slice keeps every token and the work after it runs over all T: at a 4096-token prompt
+    of bench-125m the lm_head alone is ~100 GMAC more, over a fifth of the prefill's matmul work. Replace each with
+    a Gather of each sequence's last token (subsequence_begins[1:] - 1): the logits are (sequences, 1, vocab), one
+    per row, which is all PagedRows reads (a decode step's rows, a prefill's last). Returns how many it replaced."""
     import openvino.opset13 as opset
 
-    node = model.outputs[0].get_node()
-    while node.get_type_name() != "Slice":
-        if node.get_input_size() == 0:
-            return  # no last-token slice: leave the model as it is
-        node = node.input_value(0).get_node()
-    if not any(t.get_node().get_type_name() == "MatMul" for t in node.output(0).get_target_inputs()):
-        return  # a slice, but not the one before the lm_head
+    cuts = [op for op in model.get_ordered_ops() if op.get_type_name() == "Slice" and _keeps_last(op)]
+    if not cuts:
+        return 0  # no last-token slice: leave the model as it is
     begins = next(p for p in model.get_parameters() if "subsequence_begins" in p.get_output_tensor(0).get_names())
     ends = opset.subtract(opset.slice(begins, np.array([1], np.int32), np.array([2**31 - 1], np.int32), np.array([1], np.int32)),
                           opset.constant(np.int32(1)))
-    last = opset.gather(node.input_value(0), ends, opset.constant(np.int32(0)))
-    node.output(0).replace(last.output(0))
+    for cut in cuts:
+        cut.output(0).replace(opset.gather(cut.input_value(0), ends, opset.constant(np.int32(0))).output(0))
     model.validate_nodes_and_infer_types()
+    return len(cuts)
+
+
+def _keeps_last(op: Any) -> bool:
+    """Whether a Slice is x[:, -1:]: start -1, step 1, to the end, of axis 1 (known before running)."""
+    if op.get_input_size() != 5:
+        return False
+    start, stop, step, axes = (_static_values(op.input_value(i)) for i in range(1, 5))
+    return start == [-1] and step == [1] and axes == [1] and stop is not None and stop[0] >= 2**31 - 1
 
 
 class PagedRows(Rows):
