@@ -153,3 +153,37 @@ def test_longrope_switches_to_the_long_factors_where_transformers_does(tmp_path:
     short_cos = [(torch.cos(t * rope_inv_freq(ck.config)) * af).float() for t in (10, 20)]
     assert torch.allclose(dec.rope_cos[10], short_cos[0])  # below 16: the short factors
     assert not torch.allclose(dec.rope_cos[20], short_cos[1], atol=1e-3)  # from 16 on: the long ones
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_token_only_runs_the_last_layer_after_its_attention_for_one_row(family: str,
+                                                                            checkpoints: dict[str, Path]) -> None:
+    """Under last_token_only the last layer's o_proj and MLP (and the head) see the last row alone, every other
+    layer and every cache write all S rows: the logits equal the all-logits step's last row and the caches are the
+    same (parallel residuals, sandwich norms, mixtures of experts and sliding layers included)."""
+    ck = load_checkpoint(checkpoints[family], max_seq=64, kv=kv_step("static", onnx_ops=False))
+    dec, S, L = ck.decoder, 40, 48
+    i = torch.arange(S)
+    mask = torch.zeros(1, 1, S, L, dtype=torch.bool)
+    mask[0, 0, :, :S] = i[None, :] <= i[:, None]
+    seen: dict[int, int] = {}
+    hooks = [layer.mlp.register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, a[0].shape[-2]))
+             for n, layer in enumerate(dec.layers)]
+    runs = {}
+    try:
+        for last in (False, True):
+            caches = [torch.zeros(dec.cache_shape(1, L)) for _ in range(2 * ck.config.num_hidden_layers)]
+            with torch.inference_mode(), dec.configured(last_token_only=last):
+                out = dec(torch.tensor([random_ids(S, seed=4)]), i[None], torch.zeros(1, dtype=torch.long), mask, *caches)
+            runs[last] = (out, dict(seen))
+    finally:
+        for h in hooks:
+            h.remove()
+    (full, rows_full), (last, rows_last) = runs[False], runs[True]
+    n = len(dec.layers)
+    # MoE layers flatten their tokens: (T, h) with T = B * S, so the row count is the second-to-last dim either way
+    assert rows_full == {k: S for k in range(n)} and rows_last == {**{k: S for k in range(n - 1)}, n - 1: 1}
+    assert last[0].shape == (1, 1, full[0].shape[-1])
+    assert torch.allclose(last[0][0, 0], full[0][0, -1], atol=1e-5), (last[0][0, 0] - full[0][0, -1]).abs().max()
+    for a, b in zip(full[1:], last[1:]):
+        assert torch.equal(a, b)

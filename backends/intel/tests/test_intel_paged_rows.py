@@ -167,3 +167,34 @@ def test_one_token_steps_on_bound_inputs_equal_fresh_ones(intel_artifacts: dict)
     assert bound[0] is None and bound[1] is not None
     for fresh, kept in zip(*got):
         assert np.array_equal(np.asarray(fresh), np.asarray(kept))
+
+
+@pytest.mark.parametrize("slices", [1, 2])
+def test_each_last_token_slice_becomes_a_gather_of_each_sequences_last_row(slices: int) -> None:
+    """The paged layout holds tokens as rows (T, 1, hidden), where x[:, -1:] keeps them all: an artifact's single
+    head slice (built before the last layer took the last row alone) or the last layer's pair of slices each becomes
+    a gather of rows subsequence_begins[1:] - 1. A model made here: (T, 1, 4) rows of two sequences, 2 and 3 tokens."""
+    import openvino as ov
+    import openvino.opset13 as opset
+
+    from kvexport_intel.paged import _last_token_logits
+
+    x = opset.parameter([-1, 1, 4], np.float32, name="x")
+    begins = opset.parameter([-1], np.int32, name="subsequence_begins")
+    begins.output(0).get_tensor().set_names({"subsequence_begins"})
+
+    def last(t: object) -> object:
+        return opset.slice(t, np.array([-1]), np.array([2**63 - 1]), np.array([1]), np.array([1]))
+
+    kept = last(x) if slices == 1 else opset.add(last(x), last(opset.relu(x)))
+    other = opset.slice(x, np.array([0]), np.array([1]), np.array([1]), np.array([2]))  # not the last token's
+    w = np.arange(16, dtype=np.float32).reshape(4, 4)
+    model = ov.Model([opset.matmul(kept, w, False, False), other], [x, begins])
+    assert _last_token_logits(model) == slices
+    rows = np.random.default_rng(0).standard_normal((5, 1, 4)).astype(np.float32)
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})  # bf16 where the CPU has it
+    out = compiled({"x": rows, "subsequence_begins": np.array([0, 2, 5], np.int32)})
+    pick = rows[[1, 4]]
+    want = (pick if slices == 1 else pick + np.maximum(pick, 0)) @ w
+    np.testing.assert_allclose(out[0], want, rtol=1e-6)
+    assert out[1].shape == (5, 1, 1)  # a slice of another axis left as it was
