@@ -314,10 +314,10 @@ def left_padded(pad: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def causal(B: int, S: int) -> np.ndarray:
-    """The causal mask (B, S, S) (query i sees keys 0..i) as a read-only view of 2S - 1 bools: row i is the run
-    base[S-1-i:2S-1-i] of S True then S-1 False, so a step that takes its rows in pieces, or copies them into a
-    buffer of its own, never holds S x S bytes (1 GiB at 32,768 tokens, 2.3 s to fill). Where a runtime needs the
-    rows contiguous, np.ascontiguousarray makes them so."""
+    """The causal mask (B, S, S) (query i sees keys 0..i) as a read-only view of 2S - 1 bools: `base` holds S True
+    then S-1 False and row i is base[S-1-i : 2S-1-i] (i + 1 True), so a step that takes its rows in pieces, or
+    copies them into a buffer of its own, never holds S x S bytes (1 GiB at 32,768 tokens, 2.3 s to fill). Where a
+    runtime needs the rows contiguous, np.ascontiguousarray makes them so."""
     base = np.zeros(2 * S - 1, dtype=bool)
     base[:S] = True
     row = np.lib.stride_tricks.as_strided(base[S - 1:], shape=(S, S), strides=(-1, 1), writeable=False)
