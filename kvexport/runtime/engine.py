@@ -304,13 +304,14 @@ def left_padded(pad: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
     attention mask (B, S, S), causal with no pad keys and a pad query seeing itself only (its row stays finite); a
     sliding-window layer's band is the graph's own (Decoder.decode)."""
     i = np.arange(S)
+    pos = np.maximum(i[None, :] - pad[:, None], 0)
     if not pad.any():  # no row padded: every row the same triangle, a view of 2S - 1 bools
-        return np.broadcast_to(i, (len(pad), S)).copy(), causal(len(pad), S)
+        return pos, causal(len(pad), S)
     mask = np.tri(S, dtype=bool)[None].repeat(len(pad), axis=0)  # key j <= query i
     valid = i[None, :] >= pad[:, None]  # a padded row: its pad keys hidden, each pad query seeing itself only
     mask &= valid[:, None, :]
     mask[:, i, i] |= ~valid
-    return np.maximum(i[None, :] - pad[:, None], 0), mask
+    return pos, mask
 
 
 def causal(B: int, S: int) -> np.ndarray:
