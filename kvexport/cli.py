@@ -543,7 +543,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--precision", default=None, metavar="MODE", help="another name for --weights")
     s.add_argument("--group-size", type=int, default=None, metavar="N",
                    help="int8/int4 weights: 32, 64 or 128 weights share one scale (default: the target's; on cpu 32 for "
-                        "int4, and 128 for int8 but where the CPU has AMX-INT8)")
+                        "int4, 128 for int8)")
     s.add_argument("--kv", default=None, metavar="MODE",
                    help="KV cache: fp32, fp16, bf16, int8 or auto (default: fp32, or the weights' type on targets "
                         "that keep the cache in it)")

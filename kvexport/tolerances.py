@@ -97,7 +97,7 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # that one layer's down_proj with its scales 1.5x (0.935, 2.2e-2, 0.45, +1.8%) fails
     # (tests/test_cpu_weights.py); int4's own noise is as large as a RoPE-off-by-one bug's, which the fp32
     # row catches on the same engine without the quantization pass
-    # int8 takes blocks of 128, 32 on a CPU with AMX-INT8 (cpu_quant.default_group_sizes):
+    # int8 takes blocks of 128 (cpu_quant.DEFAULT_GROUP_SIZE; 32 before, and --group-size 32 still):
     # the row holds both; g128 measured 0.9922 (381 of 384), 2.9e-4, 4.4e-3, -0.03%
     ("cpu", "int8"): _lossy(top1=0.98, mean_kl=1e-3, max_kl=0.01, ppl_change=0.01),  # g32: 0.9974, 1.1e-4, 1.1e-3, -0.05%
     # int4 g32/g64: the 8-bit head at block 128 (cpu_quant.head_block; Zen 4); at the group (Zen 3) beside it

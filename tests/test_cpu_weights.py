@@ -17,7 +17,7 @@ import kvexport
 from kvexport.artifact import export_artifact, finish, open_artifact
 from kvexport.backends import BuildOptions
 from kvexport.backends.cpu import ENGINE_DIR, OPT_MODEL, CpuBackend, CpuSession
-from kvexport.backends.cpu_quant import (INT8_DOT_FLAGS, _quantize, accuracy_level, default_group_sizes, fitted_block,
+from kvexport.backends.cpu_quant import (DEFAULT_GROUP_SIZE, INT8_DOT_FLAGS, _quantize, accuracy_level, fitted_block,
                                          head_block, unpack_split_matmuls)
 from kvexport.doctor import read_cpu_flags
 from kvexport.precision import record, resolve
@@ -99,15 +99,15 @@ def test_each_weight_mode_builds_and_verifies_against_its_row(mode: str, builds:
             if n.op_type == "MatMulNBits"}
     head = [b for name, b in bits.items() if name.startswith("lm_head")]
     attrs = [{"name": n.name, **{a.name: a.i for a in n.attribute}} for n in graph.graph.node if n.op_type == "MatMulNBits"]
-    flags = read_cpu_flags()  # int8's block and every mode's accuracy level follow this CPU's ISA
-    group = default_group_sizes(flags)["int8"] if mode == "int8" else int(mode.split("-g")[1].split("+")[0])
+    flags = read_cpu_flags()  # every mode's accuracy level follows this CPU's ISA
+    group = DEFAULT_GROUP_SIZE["int8"] if mode == "int8" else int(mode.split("-g")[1].split("+")[0])
     assert t["weights"]["group_size"] == group
     # a default group size is fitted to each matrix's rows (down_proj's 704 under int8's 128 on AVX2: 64);
     # one asked for is kept, padded
     fitted = MODES[mode].group_size is None
 
     def block(a: dict) -> int:  # the 8-bit head under int4 takes the int8 default block (cpu_quant.head_block)
-        b = head_block(group, a["bits"], flags) if a["name"].startswith("lm_head") and mode.startswith("int4") else group
+        b = head_block(group, a["bits"]) if a["name"].startswith("lm_head") and mode.startswith("int4") else group
         return fitted_block(a["K"], b) if fitted or b != group else b
     assert [a["block_size"] for a in attrs] == [block(a) for a in attrs]
     blocks = {str(b): [a["block_size"] for a in attrs].count(b) for b in {a["block_size"] for a in attrs}}
@@ -141,12 +141,11 @@ def test_weight_bytes_shrink_with_the_mode(builds: _Builds) -> None:
 
 
 def test_the_8bit_head_under_int4_takes_the_int8_block(builds: _Builds) -> None:
-    """Under int4 the 8-bit lm_head is quantized at the int8 default block for this CPU where that is wider than the
-    group (128; 32 with AMX-INT8), the 4-bit head at the group; the record says which (the graph's blocks:
+    """Under int4 the 8-bit lm_head is quantized at the int8 default block where that is wider than the group (128),
+    the 4-bit head at the group; the record says which (the graph's blocks:
     test_each_weight_mode_builds_and_verifies_against_its_row)."""
-    flags = read_cpu_flags()
-    want = 32 if "amx_int8" in flags else 128
-    assert head_block(32, 8, flags) == want and head_block(32, 4, flags) == 32 and head_block(128, 8, flags) == 128
+    want = 128
+    assert head_block(32, 8) == want and head_block(32, 4) == 32 and head_block(256, 8) == 256
     assert open_artifact(builds["int4-g32"])[1].target["weights"]["lm_head_block"] == want
     assert open_artifact(builds["int4-g32+head-int4"])[1].target["weights"]["lm_head_block"] == 32
 
@@ -232,14 +231,13 @@ def test_accuracy_level_follows_the_isa() -> None:
     assert level == 4 and "AVX2 without VNNI" in why
 
 
-def test_int8_blocks_follow_the_isa() -> None:
-    """int8 takes blocks of 128 (measured faster than 32 on AVX2 alone and on AVX512-VNNI), 32 where the CPU has
-    AMX-INT8 (kept: not measured there); int4 stays at 32 on every CPU."""
-    assert default_group_sizes({"avx2", "fma"}) == {"int8": 128, "int4": 32}
-    assert default_group_sizes({"avx2", "avx512f", "avx512_vnni"}) == {"int8": 128, "int4": 32}
-    assert default_group_sizes({"avx2", "avx_vnni"}) == {"int8": 128, "int4": 32}
-    assert default_group_sizes({"avx2", "avx512_vnni", "amx_tile", "amx_int8"}) == {"int8": 32, "int4": 32}
-    assert CpuBackend().capabilities().default_group_size == default_group_sizes(read_cpu_flags())
+def test_default_blocks_int8_128_int4_32() -> None:
+    """int8 takes blocks of 128 (measured faster than 32 on AVX2 alone, AVX512-VNNI and AMX-INT8), int4 32 (as
+    onnxruntime-genai's builder); the cpu target declares them, and a copy: a caller cannot change the defaults."""
+    caps = CpuBackend().capabilities()
+    assert caps.default_group_size == {"int8": 128, "int4": 32} == DEFAULT_GROUP_SIZE
+    caps.default_group_size["int8"] = 16
+    assert CpuBackend().capabilities().default_group_size["int8"] == 128
 
 
 def test_a_default_block_is_fitted_to_the_rows_it_must_divide() -> None:

@@ -13,14 +13,12 @@ if TYPE_CHECKING:
     import onnx
 
 BITS = {"int8": 8, "int4": 4}  # the weight modes this module makes
-# int4: 32, as onnxruntime-genai's model builder. int8: see default_group_sizes
-DEFAULT_GROUP_SIZE = {"int4": 32, "int8": 32}
-# int8's block: MLAS's 8-bit kernel pays per block (a scale and a block sum read, a float multiply-add) beside
-# its bytes, and blocks of 128 ran bench-1b's step faster than 32 both without int8 dot products (AMD EPYC
-# Zen 3, AVX2 only) and with AVX512-VNNI (AMD EPYC Zen 4) (docs/backends/cpu.md)
-INT8_GROUP = 128
-# where 32 is kept: int8 dot products on AMX tiles, a kernel this project has not timed
-INT8_GROUP_32_FLAGS = ("amx_int8",)
+# The block along K each weight mode takes when --group-size is not given. int4: 32, as onnxruntime-genai's model
+# builder. int8: MLAS's 8-bit kernel pays per block (a scale and a block sum read, a float multiply-add) beside its
+# bytes, and blocks of 128 ran bench-1b's step faster than 32 on every CPU kind timed: without int8 dot products
+# (AMD EPYC Zen 3, AVX2 only), with AVX512-VNNI (AMD EPYC Zen 4) and with AMX-INT8 (an Intel Xeon: 1.15x / 1.13x
+# at prompts 32 / 512) (docs/backends/cpu.md)
+DEFAULT_GROUP_SIZE = {"int4": 32, "int8": 128}
 LM_HEAD_BITS_UNDER_INT4 = 8  # the logits' projection is the most sensitive matmul; 8 bits as genai's builder
 LM_HEAD_MODES = {"int8": 8, "int4": 4}  # --option lm_head= under --weights int4
 QUANTIZERS = ("rtn", "gptq")  # --option quantizer=: round to nearest, or GPTQ (kvexport.backends.cpu_gptq)
@@ -41,20 +39,11 @@ def accuracy_level(flags: set[str]) -> tuple[int, str]:
     return 4, "accuracy_level 4 (int8 compute): measured faster than 0 (fp32 compute) on AVX2 without VNNI"
 
 
-def default_group_sizes(flags: set[str]) -> dict[str, int]:
-    """The block size along K each weight mode takes when --group-size is not given, for a CPU with these
-    ISA flags: int4 32; int8 128 (measured faster on AVX2 alone and on AVX512-VNNI), except 32 where the CPU
-    has AMX-INT8 (not measured on such a CPU: kept as it was)."""
-    if any(f in flags for f in INT8_GROUP_32_FLAGS):
-        return dict(DEFAULT_GROUP_SIZE)
-    return {**DEFAULT_GROUP_SIZE, "int8": INT8_GROUP}
-
-
-def head_block(group: int, bits: int, flags: set[str]) -> int:
+def head_block(group: int, bits: int) -> int:
     """The block along K of the lm_head under int4 weights: at 8 bits (the default) the int8 default block where
     that is wider than the int4 group (MLAS's 8-bit kernel pays per block: bench-1b's 8-bit head at 128 decoded
     1.07x / 1.10x its head at 32 on AMD EPYC Zen 4, docs/backends/cpu.md), else the group; at 4 bits the group."""
-    return max(group, default_group_sizes(flags)["int8"]) if bits == 8 else group
+    return max(group, DEFAULT_GROUP_SIZE["int8"]) if bits == 8 else group
 
 
 def fitted_block(k: int, group: int) -> int:
@@ -289,7 +278,7 @@ def quantize_engine(model_path: Path, data_name: str, weights: str, group_size: 
     rows = _weight_rows(skeleton)
     plan = {name: (bits, fitted_block(k, group_size) if fit else group_size) for name, k in rows.items()}
     if head in plan and bits == 4:  # a head block this code picked is fitted to K; one the user gave is kept
-        block = head_block(group_size, head_bits, flags)
+        block = head_block(group_size, head_bits)
         plan[head] = (head_bits, fitted_block(rows[head], block) if fit or block != group_size else block)
     method: dict[str, Any] = {"method": "rtn"}
     if calibration is not None:  # before the weights are loaded here: its prefill holds them in a session
