@@ -33,7 +33,7 @@ OPTIONS = (
     Option("kv_precision", "str", None, "the cache's precision in OpenVINO's words (f32, f16, bf16, u8), or i8: "
            "kvexport's own int8 blocks, one f32 scale per token and head (0.266x f32 at head_dim 64, u8 0.281x), "
            "for paged requests; at build another name for --kv (u8 and i8 are --kv int8, which alone holds i8 on "
-           "AVX-512 or AVX2 CPUs without AMX where a C++ compiler is on PATH, else u8), at load another precision than "
+           "AVX-512 or AVX2 CPUs, on AMX ones only under f32 activations, where a C++ compiler is on PATH, else u8), at load another precision than "
            "built", choices=KV_PRECISIONS, phase="load"),
     Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
            phase="load"),
@@ -148,7 +148,7 @@ class IntelBackend(Backend):
         compress.check_quantizer(weights or isa.auto_precision(flags), extra["quantizer"])
         if weights in compress.BLOCK_MODES:
             compress.require_nncf()
-        kv, _ = _build_kv(options, flags)
+        kv, _ = _build_kv(options, flags, _activations(weights or isa.auto_precision(flags), flags))
         if kv == "bf16" and _activations(weights or isa.auto_precision(flags), flags) != "bf16":
             raise InputError(f"--kv bf16 goes with bf16 activations, and this build runs f32 ("
                              + ("this CPU has neither AMX-BF16 nor AVX512-BF16" if not isa.has_bf16(flags)
@@ -185,7 +185,7 @@ class IntelBackend(Backend):
         precision = _activations(weights, flags)
         plan = compress.plan(weights, options.group_size, extra["int4_sym"], extra["quantizer"]) \
             if weights in compress.BLOCK_MODES else None
-        kv, kv_why = _build_kv(options, flags)
+        kv, kv_why = _build_kv(options, flags, precision)
         numa_node = _numa_node(extra.get("numa_node"))
         if numa_node is not None:
             numa.read_topology().node(numa_node)  # fail now, not at first load, for a node that does not exist
@@ -442,10 +442,11 @@ def _activations(weights: str, flags: set[str]) -> str:
     return weights if weights in OV_PRECISION else isa.auto_precision(flags)
 
 
-def _build_kv(options: BuildOptions, flags: set[str]) -> tuple[str, str | None]:
+def _build_kv(options: BuildOptions, flags: set[str], activations: str) -> tuple[str, str | None]:
     """The cache precision a build holds, in OpenVINO's words (or i8), and why where the build chose it: core hands
     --kv in options.kv and keeps --option kv_precision (its alias, which names the int8 format) in options.extra.
-    --kv int8 alone is i8 or u8 as kvexport_intel.int8_blocks.int8_format picks for this CPU. Where the build holds
+    --kv int8 alone is i8 or u8 as kvexport_intel.int8_blocks.int8_format picks for this CPU and the build's
+    `activations` (its inference precision: "fp32" or "bf16"). Where the build holds
     i8, its op has been compiled (BackendUnavailableError where it cannot be)."""
     named = options.extra.get("kv_precision")
     if named:
@@ -457,7 +458,7 @@ def _build_kv(options: BuildOptions, flags: set[str]) -> tuple[str, str | None]:
     if (options.kv or "fp32") == "int8":
         from kvexport_intel.int8_blocks import int8_format
 
-        return int8_format(flags)  # compiles the op where it picks i8
+        return int8_format(flags, activations=activations)  # compiles the op where it picks i8
     return _kv_precision(KV_MODES[options.kv or "fp32"]), None
 
 

@@ -63,7 +63,8 @@ def test_doctor_shows_amx_numa_and_the_precision_it_would_pick() -> None:
 
     flags = read_cpu_flags()  # the format --kv int8 holds on this CPU, and why (the compiler looked for, not run)
     vector = "avx512f" in flags or {"avx2", "fma"} <= flags
-    pays = vector and not {"amx_bf16", "amx_int8"} & flags
+    amx_prompts = {"amx_bf16", "amx_int8"} & flags and {"amx_bf16", "avx512_bf16"} & flags  # AMX under bf16
+    pays = vector and not amx_prompts
     assert intel["kv_int8"].startswith(f"{'i8' if pays else 'u8'}: "), intel["kv_int8"]
 
 

@@ -258,15 +258,27 @@ def test_an_i8_artifact_holds_u8_where_its_op_cannot_be_compiled(intel_artifacts
         kvexport.load(str(art), precision="fp32", kv_precision="i8").prefill([5, 9, 23], 2)
 
 
-@pytest.mark.parametrize("flags, held, why", [
-    ({"sse4_2", "avx"}, "u8", "neither AVX-512 nor AVX2 with FMA"),
-    ({"avx2"}, "u8", "neither AVX-512 nor AVX2 with FMA"),
-    ({"avx2", "fma", "avx512f", "amx_bf16", "amx_tile"}, "u8", "AMX"),
-    ({"avx2", "fma", "amx_int8", "amx_tile"}, "u8", "AMX"),
+AMX = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}
+
+
+@pytest.mark.parametrize("flags, activations, why", [
+    ({"sse4_2", "avx"}, None, "neither AVX-512 nor AVX2 with FMA"),
+    ({"avx2"}, None, "neither AVX-512 nor AVX2 with FMA"),
+    (AMX, None, "AMX tiles"),  # an AMX CPU's own precision is bf16
+    (AMX, "bf16", "AMX tiles"),
+    ({"avx2", "fma", "amx_int8", "amx_tile"}, "bf16", "AMX tiles"),
 ])
-def test_kv_int8_alone_takes_u8_where_i8_does_not_pay(flags: set, held: str, why: str) -> None:
-    fmt, reason = int8_blocks.int8_format(flags)
-    assert fmt == held and why in reason and "kv_precision=i8" in reason
+def test_kv_int8_alone_takes_u8_where_i8_does_not_pay(flags: set, activations: str | None, why: str) -> None:
+    fmt, reason = int8_blocks.int8_format(flags, activations=activations)
+    assert fmt == "u8" and why in reason and "kv_precision=i8" in reason
+
+
+def test_kv_int8_alone_takes_i8_on_amx_under_f32_activations() -> None:
+    """Under f32 activations OpenVINO's u8 kernel computes no prompt on AMX tiles, and i8 decoded faster there: an AMX
+    CPU holds i8 for an f32 build (where its op compiles) and says why."""
+    fmt, reason = int8_blocks.int8_format(AMX, activations="fp32")
+    assert fmt == "i8" and "with AMX, under f32 activations" in reason and "kv_precision=u8" in reason
+    assert int8_blocks.int8_format(AMX - {"avx512_bf16", "amx_bf16"})[0] == "i8"  # no bf16 hardware: f32 by default
 
 
 @pytest.mark.parametrize("flags, isa", [({"avx2", "fma"}, "AVX2"), ({"avx2", "fma", "avx512f"}, "AVX-512")])
@@ -283,8 +295,8 @@ def test_kv_int8_alone_takes_u8_without_a_compiler(tmp_path: Path, monkeypatch: 
 
 
 def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict, tmp_path: Path) -> None:
-    """`--kv int8` without kv_precision: i8 on an AVX-512 or AVX2 CPU without AMX (where the op compiles), else u8; the
-    build prints the pick and its reason, the manifest records format, bytes a token and reason, and `kvexport
+    """`--kv int8` without kv_precision: i8 on an AVX-512 or AVX2 CPU (where the op compiles) unless it has AMX and the
+    build runs bf16 activations (this CPU's own precision where it has bf16 hardware), else u8; the build prints the pick and its reason, the manifest records format, bytes a token and reason, and `kvexport
     inspect` shows them."""
     from kvexport.backends import BuildOptions
     from kvexport.build import build
@@ -292,7 +304,8 @@ def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict
 
     flags = read_cpu_flags()
     vector = "avx512f" in flags or {"avx2", "fma"} <= flags
-    expected = "i8" if vector and not {"amx_bf16", "amx_int8"} & flags else "u8"
+    amx_prompts = {"amx_bf16", "amx_int8"} & flags and {"amx_bf16", "avx512_bf16"} & flags  # AMX under bf16
+    expected = "i8" if vector and not amx_prompts else "u8"
     said: list[str] = []
     art = build(intel_artifacts["llama"][0], tmp_path / "kv8.kvx", target="intel", max_seq=64, verify=False,
                 options=BuildOptions(kv="int8"), progress=said.append)
