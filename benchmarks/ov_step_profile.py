@@ -4,8 +4,8 @@ process with their steps interleaved, and OpenVINO's PERF_COUNT summed by node t
     python benchmarks/ov_step_profile.py b1-intel-int8.kvx peers/openvino-int8 [--prompt 32 --steps 14]
 
 Both are compiled with the settings their own runners use (kvexport's intel compile config; peers.py's
-OpenVinoRunner properties: 2 threads, one stream, f32 inference precision, f32 KV cache, latency hint) plus
-PERF_COUNT. PERF_COUNT's real times are summed over nodes and compare only with each other, not with the
+OpenVinoRunner properties: 2 threads, one stream, f32 inference precision, f32 KV cache, latency hint; with
+`--precision bf16` both bf16 with a bf16 cache) plus PERF_COUNT. PERF_COUNT's real times are summed over nodes and compare only with each other, not with the
 step's wall time. The first two steps are warm-up.
 """
 from __future__ import annotations
@@ -24,15 +24,18 @@ from kvexport_intel import _compile_config  # noqa: E402
 
 PEER_PROPS = {"INFERENCE_NUM_THREADS": 2, "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "f32",
               "KV_CACHE_PRECISION": "f32", "PERFORMANCE_HINT": "LATENCY"}
+OV = {"fp32": "f32", "bf16": "bf16"}
 GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "qkv_proj": "qkv",
           "gate_proj": "gate_up", "up_proj": "gate_up", "gate_up_proj": "gate_up"}
 
 
 class System:
-    def __init__(self, core: ov.Core, folder: Path):
+    def __init__(self, core: ov.Core, folder: Path, precision: str = "fp32"):
         self.kvexport = (folder / "manifest.json").is_file()
         xml = folder / ("engine" if self.kvexport else "") / "openvino_model.xml"
-        props = _compile_config("fp32", "f32", 2, pinned=True, compressed=True) if self.kvexport else dict(PEER_PROPS)
+        kv = "bf16" if precision == "bf16" else "f32"  # the cache each engine holds under these activations
+        props = (_compile_config(precision, kv, 2, pinned=True, compressed=True) if self.kvexport
+                 else {**PEER_PROPS, "INFERENCE_PRECISION_HINT": OV[precision], "KV_CACHE_PRECISION": kv})
         self.request = core.compile_model(core.read_model(str(xml)), "CPU", {**props, "PERF_COUNT": True}) \
             .create_infer_request()
         self.request.reset_state()
@@ -68,9 +71,11 @@ def main() -> None:
     p.add_argument("second")
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="both compiled with this inference precision (and, under bf16, a bf16 cache)")
     a = p.parse_args()
     core = ov.Core()
-    systems = [System(core, Path(a.first)), System(core, Path(a.second))]
+    systems = [System(core, Path(a.first), a.precision), System(core, Path(a.second), a.precision)]
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 259, a.prompt)]
     tokens = [s.step(ids, 0, record=False) for s in systems]
     for k in range(a.steps):
