@@ -353,9 +353,9 @@ class Worker:
 
 SPEC_KEYS = {"openvino": ("kv", "batched_tokens", "precision"),
              "kvexport": ("piece", "paged_min", "huge_pages", "native_matmul", "native_attention", "precision",
-                          "paged_split", "prompt_split", "kv_precision"),
+                          "paged_split", "prompt_split", "kv_precision", "dynamic_quant_group"),
              "ortgenai": ()}
-# the worded options; the others are positive integers
+# the worded options; the others are positive integers (dynamic_quant_group: 0 or more)
 CHOICES = {"kv": OV_KV, "precision": OV_PRECISION, **{k: ("true", "false") for k in
                                                       ("huge_pages", "native_matmul", "native_attention")}}
 KVEXPORT_CHOICES = {"precision": ("fp32", "bf16"),  # the intel target's load options
@@ -372,15 +372,16 @@ def system_spec(text: str, ov_kv: str) -> tuple[Path, dict[str, str]]:
     artifact takes piece=N (the prompt tokens one engine call takes, kvexport.runtime.session.PREFILL_PIECE), on
     the intel target paged_min=N (the shortest prompt prefilled through paged attention: the load option
     paged_prefill_min), precision=fp32|bf16 (the precision it runs in, its load option), paged_split=none|qkv|all,
-    prompt_split=same|none|qkv|all and kv_precision=f32|f16|bf16|u8|i8 (its load options), on the cpu target
-    huge_pages, native_matmul and native_attention=true|false (its load options)."""
+    prompt_split=same|none|qkv|all, kv_precision=f32|f16|bf16|u8|i8 and dynamic_quant_group=N (its load options), on
+    the cpu target huge_pages, native_matmul and native_attention=true|false (its load options)."""
     folder, _, tail = text.partition("@")
     kind = kind_of(Path(folder))
     options = {"ov_kv": ov_kv}
     for item in filter(None, tail.split(",")):
         key, _, value = item.partition("=")
         choices = (KVEXPORT_CHOICES if kind == "kvexport" else {}).get(key) or CHOICES.get(key)
-        if key not in SPEC_KEYS[kind] or not (value in choices if choices else value.isdigit() and int(value) > 0):
+        least = 0 if key == "dynamic_quant_group" else 1
+        if key not in SPEC_KEYS[kind] or not (value in choices if choices else value.isdigit() and int(value) >= least):
             sys.exit(f"error: {text!r}: a {kind} system takes {', '.join(f'{k}=' for k in SPEC_KEYS[kind]) or 'no'} "
                      f"options after its folder, not {item!r}")
         options["ov_kv" if key == "kv" else key] = value

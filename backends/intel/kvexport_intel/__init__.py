@@ -57,6 +57,10 @@ OPTIONS = (
            "same blocks; all ran prompts of f32 weights at f32 activations 2-7% faster, but the plugin prepares its "
            "weights again: ~0.9x the weight bytes more memory and a longer load on bench-125m), or same (default: "
            "no second form)", choices=("same", "none", "qkv", "all"), phase="load"),
+    Option("dynamic_quant_group", "int", None, "int8/int4 weights: the matmuls' activations quantized to int8 in "
+           "groups of this many (OpenVINO's DYNAMIC_QUANTIZATION_GROUP_SIZE; default the plugin's own, 32, as "
+           "OpenVINO GenAI runs); 0 turns it off (the activations' own precision into the decompressed weights)",
+           phase="load"),
     Option("huge_pages", "bool", True, "place the weights the plugin prepares (its repacked or converted copies, made "
            "at load by one warm-up token) in huge pages", phase="load"),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
@@ -332,7 +336,11 @@ class IntelBackend(Backend):
                           parse_bool("numa_bind", options.get("numa_bind", built.get("numa_bind", True))))
         threads = threads or built.get("threads") or placement["threads"]
         compressed = (target.get("weights") or {}).get("dtype") in compress.BLOCK_MODES
-        config = _compile_config(precision, kv, int(threads), pinned=True, compressed=compressed)
+        dq_group = _given(options, "dynamic_quant_group")
+        if dq_group is not None and (dq_group < 0 or not compressed):
+            raise InputError(f"dynamic_quant_group applies to int8/int4 weights, as a group size of 0 (off) or more, "
+                             f"not {dq_group} for {target.get('weights', {}).get('dtype', target['precision'])} weights")
+        config = _compile_config(precision, kv, int(threads), pinned=True, compressed=compressed, dq_group=dq_group)
         huge = parse_bool("huge_pages", options.get("huge_pages", True))
         before = anonymous_regions() if huge else None  # what the plugin maps from here on is the engine's
         core = ov.Core()  # made after pinning, so the plugin's CPU map sees the node's cores
@@ -343,7 +351,8 @@ class IntelBackend(Backend):
         facts = {"threads": int(threads), "precision": precision, "kv_precision": kv, "warning": warning,
                  "weights": (target.get("weights") or {}).get("dtype", target["precision"]),
                  "openvino": _openvino_version(), "numa": placement,
-                 "fused_attention_layers": lowering.fused_attention_layers(compiled)}
+                 "fused_attention_layers": lowering.fused_attention_layers(compiled),
+                 "dynamic_quant_group": compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")}
         if ring is not None:
             facts["ring"] = {"window": ring.window, "layers": sorted(ring.layers)}
         session = self._session(compiled, manifest, facts, ring)
@@ -480,7 +489,8 @@ def _given(options: dict[str, Any], name: str) -> Any:
     return parse_option(next(o for o in OPTIONS if o.name == name), options.get(name))
 
 
-def _compile_config(precision: str, kv: str, threads: int, pinned: bool, compressed: bool = False) -> dict[str, Any]:
+def _compile_config(precision: str, kv: str, threads: int, pinned: bool, compressed: bool = False,
+                    dq_group: int | None = None) -> dict[str, Any]:
     kv = "u8" if kv == "i8" else kv  # the state has no i8: an i8 engine's stateful calls hold OpenVINO's u8
     config: dict[str, Any] = {
         "INFERENCE_PRECISION_HINT": OV_PRECISION[precision],
@@ -496,7 +506,10 @@ def _compile_config(precision: str, kv: str, threads: int, pinned: bool, compres
     if precision == "fp32" and not compressed:
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0  # no int8 activations anywhere in an exact run
     # int8/int4 weights keep the plugin's default, activations quantized per group of 32 into the compressed
-    # matmuls: what OpenVINO GenAI runs, and faster here (docs/backends/intel.md); their rows include its error
+    # matmuls: what OpenVINO GenAI runs, and faster here (docs/backends/intel.md); their rows include its error.
+    # dq_group: the load option dynamic_quant_group, which sets it
+    if compressed and dq_group is not None:
+        config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = dq_group
     return config
 
 

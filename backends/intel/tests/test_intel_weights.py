@@ -15,6 +15,7 @@ import pytest
 import kvexport
 from kvexport.backends import BuildOptions
 from kvexport.errors import InputError
+from kvexport.testing import greedy_logits
 from kvexport.verify import Reference, verify_engine
 
 pytest.importorskip("openvino", reason="the intel target needs openvino (pip install 'kvexport[intel]')")
@@ -110,6 +111,24 @@ def test_compressed_engines_keep_the_fused_stateful_attention(mode: str, builds:
     else:  # int4 in the blocks; the embedding and lm_head in NNCF's int8 backup, as optimum-intel leaves them
         assert weights["compressed_weights"] == {"int4": 4 * layers, "int8": 2}
         assert weights["mode"] == "INT4_ASYM" and weights["group_size"] == 128
+
+
+def test_dynamic_quant_group_reaches_the_plugin_and_is_checked(builds: _Builds) -> None:
+    """The load option dynamic_quant_group sets the plugin's DYNAMIC_QUANTIZATION_GROUP_SIZE for compressed weights
+    (the compiled model reports it; 32, the plugin's own, where not given; 0 off: the activations' own precision into
+    the decompressed weights, logits near the default's); refused for fp32/bf16 weights and below 0."""
+    default = kvexport.load(str(builds["int8"]), precision="fp32")
+    off = kvexport.load(str(builds["int8"]), precision="fp32", dynamic_quant_group=0)
+    assert default.session.facts["dynamic_quant_group"] == 32 and off.session.facts["dynamic_quant_group"] == 0
+    assert int(off.session.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 0
+    ids = [5, 9, 23, 40, 2, 17]
+    assert len(off.generate(ids, max_new_tokens=8).token_ids) == 8
+    got, want = greedy_logits(off, ids, 4), greedy_logits(default, ids, 4)  # the same weights, activations apart
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+    with pytest.raises(InputError, match="dynamic_quant_group applies to int8/int4 weights"):
+        kvexport.load(str(builds["fp32"]), dynamic_quant_group=0)
+    with pytest.raises(InputError, match="dynamic_quant_group applies"):
+        kvexport.load(str(builds["int8"]), dynamic_quant_group=-1)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4-g128"])
