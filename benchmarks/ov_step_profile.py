@@ -5,8 +5,8 @@ process with their steps interleaved, and OpenVINO's PERF_COUNT summed by node t
 
 Both are compiled with the settings their own runners use (kvexport's intel compile config; peers.py's
 OpenVinoRunner properties: 2 threads, one stream, f32 inference precision, f32 KV cache, latency hint; with
-`--precision bf16` both bf16 with a bf16 cache) plus PERF_COUNT. PERF_COUNT's real times are summed over nodes and compare only with each other, not with the
-step's wall time. The first two steps are warm-up.
+`--precision bf16` both bf16 with a bf16 cache) plus PERF_COUNT. PERF_COUNT's real times are summed over nodes
+and compare only with each other, not with the step's wall time. The first two steps are warm-up.
 """
 from __future__ import annotations
 

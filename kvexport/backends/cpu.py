@@ -13,7 +13,6 @@ from kvexport.backends import AutoMode, BuildOptions, Capabilities, Option, Prog
 from kvexport.backends import Backend as _Backend
 from kvexport.backends.cpu_quant import BITS as CPU_BITS
 from kvexport.backends.cpu_quant import DEFAULT_GROUP_SIZE as CPU_DEFAULT_GROUP_SIZE
-from kvexport.backends.cpu_quant import DEFAULT_GROUP_SIZE
 from kvexport.backends.cpu_quant import LM_HEAD_MODES, QUANTIZERS, Calibration
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import ArtifactError, InputError
@@ -110,7 +109,7 @@ class CpuBackend(_Backend):
             cache_policy="grow",
             precisions=("fp32", *CPU_BITS),  # int8/int4: MatMulNBits (kvexport.backends.cpu_quant)
             default_precision="fp32",
-            default_group_size=dict(DEFAULT_GROUP_SIZE),  # int8: 128 (kvexport.backends.cpu_quant)
+            default_group_size=dict(CPU_DEFAULT_GROUP_SIZE),  # int8: 128 (kvexport.backends.cpu_quant)
             kv_modes=("fp32", "int8"),
             ring_cache=True,  # ring layers stay unfused Attention-24 + TensorScatter circular (GroupQueryAttention has no ring)
             rebuilds_at_load=True,  # the engine file is rebuilt from the IR where ONNX Runtime differs

@@ -33,8 +33,8 @@ OPTIONS = (
     Option("kv_precision", "str", None, "the cache's precision in OpenVINO's words (f32, f16, bf16, u8), or i8: "
            "kvexport's own int8 blocks, one f32 scale per token and head (0.266x f32 at head_dim 64, u8 0.281x), "
            "for paged requests; at build another name for --kv (u8 and i8 are --kv int8, which alone holds i8 on "
-           "AVX-512 or AVX2 CPUs, on AMX ones only under f32 activations, where a C++ compiler is on PATH, else u8), at load another precision than "
-           "built", choices=KV_PRECISIONS, phase="load"),
+           "AVX-512 or AVX2 CPUs, on AMX ones only under f32 activations, where a C++ compiler is on PATH, else u8), "
+           "at load another precision than built", choices=KV_PRECISIONS, phase="load"),
     Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
            phase="load"),
     Option("batch_rows", "str", "paged", "how batches run, the serving scheduler's rows and a batch of prompts given "
@@ -339,7 +339,8 @@ class IntelBackend(Backend):
         dq_group = _given(options, "dynamic_quant_group")
         if dq_group is not None and (dq_group < 0 or not compressed):
             raise InputError(f"dynamic_quant_group applies to int8/int4 weights, as a group size of 0 (off) or more, "
-                             f"not {dq_group} for {target.get('weights', {}).get('dtype', target['precision'])} weights")
+                             f"not {dq_group} for {(target.get('weights') or {}).get('dtype', target['precision'])} "
+                             "weights")
         config = _compile_config(precision, kv, int(threads), pinned=True, compressed=compressed, dq_group=dq_group)
         huge = parse_bool("huge_pages", options.get("huge_pages", True))
         before = anonymous_regions() if huge else None  # what the plugin maps from here on is the engine's

@@ -296,8 +296,8 @@ def test_kv_int8_alone_takes_u8_without_a_compiler(tmp_path: Path, monkeypatch: 
 
 def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict, tmp_path: Path) -> None:
     """`--kv int8` without kv_precision: i8 on an AVX-512 or AVX2 CPU (where the op compiles) unless it has AMX and the
-    build runs bf16 activations (this CPU's own precision where it has bf16 hardware), else u8; the build prints the pick and its reason, the manifest records format, bytes a token and reason, and `kvexport
-    inspect` shows them."""
+    build runs bf16 activations (this CPU's own precision where it has bf16 hardware), else u8; the build prints the
+    pick and its reason, the manifest records format, bytes a token and reason, and `kvexport inspect` shows them."""
     from kvexport.backends import BuildOptions
     from kvexport.build import build
     from kvexport.doctor import read_cpu_flags
