@@ -20,11 +20,10 @@ import numpy as np
 import openvino as ov
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "backends" / "intel"))
-from kvexport_intel import _compile_config  # noqa: E402
+from kvexport_intel import OV_PRECISION, _compile_config  # noqa: E402
 
 PEER_PROPS = {"INFERENCE_NUM_THREADS": 2, "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "f32",
               "KV_CACHE_PRECISION": "f32", "PERFORMANCE_HINT": "LATENCY"}
-OV = {"fp32": "f32", "bf16": "bf16"}
 GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "qkv_proj": "qkv",
           "gate_proj": "gate_up", "up_proj": "gate_up", "gate_up_proj": "gate_up"}
 
@@ -35,7 +34,7 @@ class System:
         xml = folder / ("engine" if self.kvexport else "") / "openvino_model.xml"
         kv = "bf16" if precision == "bf16" else "f32"  # the cache each engine holds under these activations
         props = (_compile_config(precision, kv, 2, pinned=True, compressed=True) if self.kvexport
-                 else {**PEER_PROPS, "INFERENCE_PRECISION_HINT": OV[precision], "KV_CACHE_PRECISION": kv})
+                 else {**PEER_PROPS, "INFERENCE_PRECISION_HINT": OV_PRECISION[precision], "KV_CACHE_PRECISION": kv})
         self.request = core.compile_model(core.read_model(str(xml)), "CPU", {**props, "PERF_COUNT": True}) \
             .create_infer_request()
         self.request.reset_state()

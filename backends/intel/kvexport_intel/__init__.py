@@ -152,8 +152,9 @@ class IntelBackend(Backend):
         compress.check_quantizer(weights or isa.auto_precision(flags), extra["quantizer"])
         if weights in compress.BLOCK_MODES:
             compress.require_nncf()
-        kv, _ = _build_kv(options, flags, _activations(weights or isa.auto_precision(flags), flags))
-        if kv == "bf16" and _activations(weights or isa.auto_precision(flags), flags) != "bf16":
+        activations = _activations(weights or isa.auto_precision(flags), flags)
+        kv, _ = _build_kv(options, flags, activations)
+        if kv == "bf16" and activations != "bf16":
             raise InputError(f"--kv bf16 goes with bf16 activations, and this build runs f32 ("
                              + ("this CPU has neither AMX-BF16 nor AVX512-BF16" if not isa.has_bf16(flags)
                                 else f"--weights {weights}") + "); for a 2-byte cache under f32 activations pass "
@@ -508,8 +509,8 @@ def _compile_config(precision: str, kv: str, threads: int, pinned: bool, compres
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0  # no int8 activations anywhere in an exact run
     # int8/int4 weights keep the plugin's default, activations quantized per group of 32 into the compressed
     # matmuls: what OpenVINO GenAI runs, and faster here (docs/backends/intel.md); their rows include its error.
-    # dq_group: the load option dynamic_quant_group, which sets it
-    if compressed and dq_group is not None:
+    # dq_group: the load option dynamic_quant_group (compressed weights only, checked where it is read), which sets it
+    if dq_group is not None:
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = dq_group
     return config
 

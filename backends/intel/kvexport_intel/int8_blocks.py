@@ -28,6 +28,7 @@ import numpy as np
 import kvexport
 from kvexport.doctor import read_cpu_flags
 from kvexport.errors import BackendUnavailableError
+from kvexport_intel.isa import auto_precision
 from kvexport_intel.paged import KEY_CACHE, PA_OP
 
 SOURCE = Path(__file__).parent / "native" / "int8_paged_attention.cpp"
@@ -106,7 +107,7 @@ def int8_format(flags: set[str], compile: bool = True, activations: str | None =
     else:
         return "u8", ("this CPU has neither AVX-512 nor AVX2 with FMA, which the i8 cache's kernels are written for "
                       "(elsewhere it runs portable loops, several times slower than OpenVINO's u8)" + other)
-    activations = activations or ("bf16" if {"amx_bf16", "avx512_bf16"} & flags else "fp32")
+    activations = activations or auto_precision(flags)
     amx = "amx_bf16" in flags or "amx_int8" in flags
     if amx and activations == "bf16":
         return "u8", ("under bf16 activations OpenVINO's u8 kernel computes prompts on this CPU's AMX tiles, which the "
