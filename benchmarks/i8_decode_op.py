@@ -2,12 +2,14 @@
 blocks read from memory (64 MB written between rounds evicts them), beside the same blocks read alone in the same
 order (the floor the memory sets) and one layer's blocks again and again (the arithmetic, its blocks cached).
 
-    python benchmarks/i8_decode_op.py [slots=4000] [layers=12] [rounds=300] [--avx2]
+    python benchmarks/i8_decode_op.py [slots=4000] [layers=12] [rounds=300] [--avx2] [--no-amx] [--prompt]
 
 Compiles a small driver around backends/intel/kvexport_intel/native/int8_paged_attention.cpp (its decode called
 directly: no OpenVINO graph, no Python per call) with the flags kvexport_intel.int8_blocks uses; --avx2 builds it as
 an AVX2-only CPU would (-mno-avx512f). Shape: 12 query / 4 KV heads, head_dim 64, blocks of 32, two threads.
-Prints medians and first quartiles of microseconds per layer."""
+Prints medians and first quartiles of microseconds per layer. --prompt times a prompt of `slots` tokens instead (the
+op's prompt path, its tiles on the threads; one layer's blocks a round, milliseconds); --no-amx builds the driver
+without AMX (an AMX CPU's prompts then run the VNNI and AVX512-BF16 kernels)."""
 from __future__ import annotations
 
 import os
@@ -46,6 +48,24 @@ int main(int argc, char** argv) {
   std::vector<int32_t> past{(int32_t)P}, begins{0, 1}, blocks(nb), bounds{0, (int32_t)nb};
   for (int64_t b = 0; b < nb; b++) blocks[b] = (int32_t)b;
   const Seqs seqs{past.data(), begins.data(), blocks.data(), bounds.data(), 1};
+  if (argc > 4) {  // a prompt of P tokens (held 0) over the blocks, each round: its attention, the blocks as written
+    std::vector<int32_t> none{0}, all{0, (int32_t)P};
+    const Seqs prompt{none.data(), all.data(), blocks.data(), bounds.data(), 1};
+    std::vector<float> q(P * sh.H * sh.D), out(P * sh.H * sh.D);
+    std::normal_distribution<float> normal;
+    for (auto& x : q) x = normal(rng);
+    std::vector<double> took;
+    for (int64_t r = 0; r < ROUNDS; r++) {
+      double t = now();
+      Int8PagedAttention::prompt(q.data(), out.data(), K[r % LAYERS].data(), V[r % LAYERS].data(), sh, prompt,
+                                 0.125f, 0);
+      took.push_back(now() - t);
+    }
+    std::sort(took.begin(), took.end());
+    printf("prompt of %ld tokens, a layer (%s): %.2f ms (p25 %.2f)  [%g]\n", (long)P, kvexport_i8_kernels(sh.D),
+           took[took.size() / 2] * 1e3, took[took.size() / 4] * 1e3, out[7]);
+    return 0;
+  }
   std::vector<float> q(sh.H * sh.D), out(sh.H * sh.D), evict(16 << 20, 1.f);
   std::normal_distribution<float> normal;
   for (auto& x : q) x = normal(rng);
@@ -100,6 +120,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("layers", type=int, nargs="?", default=12, help="layers' blocks read in turn (default 12)")
     ap.add_argument("rounds", type=int, nargs="?", default=300, help="timed rounds (default 300)")
     ap.add_argument("--avx2", action="store_true", help="build the driver as an AVX2-only CPU would (-mno-avx512f)")
+    ap.add_argument("--no-amx", action="store_true", help="build the driver without AMX (-mno-amx-tile)")
+    ap.add_argument("--prompt", action="store_true", help="time a prompt of `slots` tokens instead (one layer a round)")
     a = ap.parse_args(argv)
     avx2, slots, layers, rounds = a.avx2, a.slots, a.layers, a.rounds
     include, libs = Path(ov.__file__).parent / "include", Path(ov.__file__).parent / "libs"
@@ -107,13 +129,14 @@ def main(argv: list[str]) -> None:
         # the op's class with its decode callable from the driver
         (Path(tmp) / "op.cpp").write_text(int8_blocks.SOURCE.read_text().replace("\n private:", "\n public:"))
         (Path(tmp) / "driver.cpp").write_text(DRIVER)
-        flags = [f for f in int8_blocks.FLAGS if f not in ("-shared", "-fPIC")] + ["-w"] + (["-mno-avx512f"] if avx2 else [])
+        flags = [f for f in int8_blocks.FLAGS if f not in ("-shared", "-fPIC")] + ["-w"] + (["-mno-avx512f"] if avx2 else []) \
+            + (list(int8_blocks.VARIANTS["KVEXPORT_I8_NO_AMX"]) if a.no_amx else [])
         exe = Path(tmp) / "driver"
         cxx = os.environ.get("CXX") or "c++"  # the compiler int8_blocks.library() takes
         subprocess.run([cxx, *flags, str(Path(tmp) / "driver.cpp"), f"-I{include}", f"-I{int8_blocks.SHARED}",
                         str(sorted(libs.glob("libopenvino.so*"))[0]), str(sorted(libs.glob("libtbb.so*"))[0]),
                         f"-Wl,-rpath,{libs}", "-o", str(exe)], check=True)
-        subprocess.run([str(exe), str(slots), str(layers), str(rounds)], check=True)
+        subprocess.run([str(exe), str(slots), str(layers), str(rounds), *(["prompt"] if a.prompt else [])], check=True)
 
 
 if __name__ == "__main__":

@@ -50,10 +50,12 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "
 # KVEXPORT_I8_PORTABLE=1 without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS=1 with every kernel in f32,
 # prompts' and decode steps' (with AVX-512: an AVX-512 CPU without VNNI and AVX512-BF16, Skylake; beside
 # KVEXPORT_I8_AVX2: the AVX2 kernels in f32), KVEXPORT_I8_NO_BF16=1 without AVX512-BF16 (VNNI scores, f32 weighted
-# values: Cascade Lake, Ice Lake). One build a process: two builds of the op cannot be loaded in one process (they
+# values: Cascade Lake, Ice Lake), KVEXPORT_I8_NO_AMX=1 without AMX (an AMX CPU's prompts in VNNI and AVX512-BF16, as a
+# Sapphire Rapids without AMX would, or a Zen 4). One build a process: two builds of the op cannot be loaded in one process (they
 # register the same op).
 VARIANTS = {"KVEXPORT_I8_AVX2": ("-mno-avx512f",), "KVEXPORT_I8_PORTABLE": ("-mno-avx2",),
-            "KVEXPORT_I8_F32_PROMPTS": ("-DKVEXPORT_I8_F32_PROMPTS",), "KVEXPORT_I8_NO_BF16": ("-mno-avx512bf16",)}
+            "KVEXPORT_I8_F32_PROMPTS": ("-DKVEXPORT_I8_F32_PROMPTS",), "KVEXPORT_I8_NO_BF16": ("-mno-avx512bf16",),
+            "KVEXPORT_I8_NO_AMX": ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")}
 
 
 def library() -> Path:
@@ -93,12 +95,19 @@ def library() -> Path:
     return lib
 
 
-def int8_format(flags: set[str], compile: bool = True, activations: str | None = None) -> tuple[str, str]:
+# the head sizes whose prompts the op computes on AMX tiles where the CPU has them (attend_tile_amx)
+AMX_HEAD_DIMS = (64, 128)
+
+
+def int8_format(flags: set[str], compile: bool = True, activations: str | None = None,
+                head_dim: int | None = None) -> tuple[str, str]:
     """The format `--kv int8` takes where the build names none (--option kv_precision=u8 or i8), and why: `i8` where
-    this CPU runs the op's vector kernels (AVX-512, or AVX2 with FMA), the engine's prompts would not run on AMX
-    tiles in OpenVINO's u8 kernel (an AMX CPU under bf16 activations), and the op compiles here (this compiles it,
-    once; compile=False, as `kvexport doctor` asks, only looks for the compiler); else OpenVINO's `u8`.
-    `activations` ("fp32" or "bf16"): the build's inference precision; None: this CPU's automatic one."""
+    this CPU runs the op's vector kernels (AVX-512, or AVX2 with FMA), the op compiles here (this compiles it, once;
+    compile=False, as `kvexport doctor` asks, only looks for the compiler) and, on an AMX CPU under bf16 activations
+    (where OpenVINO's u8 kernel computes prompts on AMX tiles), the op's prompts run on AMX tiles too (head sizes
+    AMX_HEAD_DIMS, where Linux grants the process the tiles); else OpenVINO's `u8`. `activations` ("fp32" or
+    "bf16"): the build's inference precision, None: this CPU's automatic one; `head_dim`: the model's (None: one of
+    AMX_HEAD_DIMS, as doctor assumes)."""
     other = "; --option kv_precision=i8 asks for kvexport's i8 cache regardless"
     if "avx512f" in flags:
         isa = "AVX-512"
@@ -108,22 +117,33 @@ def int8_format(flags: set[str], compile: bool = True, activations: str | None =
         return "u8", ("this CPU has neither AVX-512 nor AVX2 with FMA, which the i8 cache's kernels are written for "
                       "(elsewhere it runs portable loops, several times slower than OpenVINO's u8)" + other)
     activations = activations or auto_precision(flags)
-    amx = "amx_bf16" in flags or "amx_int8" in flags
-    if amx and activations == "bf16":
+    amx = {"amx_tile", "amx_int8", "amx_bf16"} <= flags
+    u8_on_tiles = ("amx_bf16" in flags or "amx_int8" in flags) and activations == "bf16"
+    if u8_on_tiles and (not amx or (head_dim or AMX_HEAD_DIMS[0]) not in AMX_HEAD_DIMS):
+        size = f"head_dim {head_dim}" if amx else "this CPU (it lacks one of AMX-TILE, AMX-INT8, AMX-BF16)"
         return "u8", ("under bf16 activations OpenVINO's u8 kernel computes prompts on this CPU's AMX tiles, which the "
-                      "i8 cache's kernels do not use (on a 2-core AMX Xeon a 4096-token prompt took 0.61x "
-                      "the i8 cache's time)" + other)
+                      f"i8 cache's prompt kernel does not for {size} (its AMX form takes head sizes "
+                      f"{' and '.join(map(str, AMX_HEAD_DIMS))}; on a 2-core AMX Xeon its vector kernels took 1.6x "
+                      "u8's time for a 4096-token prompt)" + other)
     cxx = os.environ.get("CXX") or "c++"
     if not compile and shutil.which(cxx) is None:
         return "u8", f"the i8 cache's op is compiled with a C++ compiler and {cxx!r} is not on PATH"
     try:
         if compile:
-            library()
+            lib = library()
+            if u8_on_tiles and "prompts: AMX" not in kernels(lib, head_dim or AMX_HEAD_DIMS[0]):
+                return "u8", ("under bf16 activations OpenVINO's u8 kernel computes prompts on this CPU's AMX tiles, "
+                              "and the i8 cache's op as compiled here runs no prompt on them (it needs the compiler's "
+                              "AMX intrinsics, and Linux 5.16 or later, which grants a process the tiles on request)"
+                              + other)
     except BackendUnavailableError as e:
         return "u8", f"the i8 cache's op cannot be compiled here: {e}"
     return "i8", ("kvexport's int8 blocks: one f32 scale per token and KV head (0.266x an f32 cache at head_dim 64; "
                   f"u8 keeps a scale and a zero point, 0.281x), their {isa} kernels on this CPU"
-                  + (" (with AMX, under f32 activations: there u8 decoded 0.83x the i8 cache at 4096 tokens, its "
+                  + (", prompts on AMX tiles (on a 2-core AMX Xeon under bf16 activations: a 4096-token prompt "
+                     "0.94x u8's time, decode steps 1.16x u8's speed there, 0.93x after 512 tokens)"
+                     if amx and u8_on_tiles else
+                     " (with AMX, under f32 activations: there u8 decoded 0.83x the i8 cache at 4096 tokens, its "
                      "prompts level)" if amx else "") + "; "
                   "--option kv_precision=u8 for OpenVINO's u8")
 

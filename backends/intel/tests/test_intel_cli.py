@@ -63,8 +63,9 @@ def test_doctor_shows_amx_numa_and_the_precision_it_would_pick() -> None:
 
     flags = read_cpu_flags()  # the format --kv int8 holds on this CPU, and why (the compiler looked for, not run)
     vector = "avx512f" in flags or {"avx2", "fma"} <= flags
-    amx_prompts = {"amx_bf16", "amx_int8"} & flags and {"amx_bf16", "avx512_bf16"} & flags  # AMX under bf16
-    pays = vector and not amx_prompts
+    u8_on_tiles = {"amx_bf16", "amx_int8"} & flags and {"amx_bf16", "avx512_bf16"} & flags  # AMX under bf16
+    i8_on_tiles = {"amx_tile", "amx_int8", "amx_bf16"} <= flags  # doctor assumes the tiles granted
+    pays = vector and (not u8_on_tiles or i8_on_tiles)
     assert intel["kv_int8"].startswith(f"{'i8' if pays else 'u8'}: "), intel["kv_int8"]
 
 

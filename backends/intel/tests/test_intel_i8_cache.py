@@ -16,6 +16,7 @@ from kvexport.errors import BackendUnavailableError, InputError
 from kvexport.testing import greedy_logits
 from kvexport.tolerances import tolerance
 from kvexport.verify import compare
+from kvexport.zoo import TINY_CONFIGS
 
 ov = pytest.importorskip("openvino", reason="the intel target needs openvino (pip install 'kvexport[intel]')")
 
@@ -261,22 +262,40 @@ def test_an_i8_artifact_holds_u8_where_its_op_cannot_be_compiled(intel_artifacts
 AMX = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}
 
 
-@pytest.mark.parametrize("flags, activations, why", [
-    ({"sse4_2", "avx"}, None, "neither AVX-512 nor AVX2 with FMA"),
-    ({"avx2"}, None, "neither AVX-512 nor AVX2 with FMA"),
-    (AMX, None, "AMX tiles"),  # an AMX CPU's own precision is bf16
-    (AMX, "bf16", "AMX tiles"),
-    ({"avx2", "fma", "amx_int8", "amx_tile"}, "bf16", "AMX tiles"),
+@pytest.mark.parametrize("flags, activations, head_dim, why", [
+    ({"sse4_2", "avx"}, None, None, "neither AVX-512 nor AVX2 with FMA"),
+    ({"avx2"}, None, None, "neither AVX-512 nor AVX2 with FMA"),
+    (AMX, None, 96, "does not for head_dim 96"),  # an AMX CPU's own precision is bf16
+    (AMX, "bf16", 32, "does not for head_dim 32"),
+    ({"avx2", "fma", "amx_int8", "amx_tile"}, "bf16", 64, "lacks one of AMX-TILE, AMX-INT8, AMX-BF16"),
 ])
-def test_kv_int8_alone_takes_u8_where_i8_does_not_pay(flags: set, activations: str | None, why: str) -> None:
-    fmt, reason = int8_blocks.int8_format(flags, activations=activations)
+def test_kv_int8_alone_takes_u8_where_i8_does_not_pay(flags: set, activations: str | None, head_dim: int | None,
+                                                      why: str) -> None:
+    fmt, reason = int8_blocks.int8_format(flags, activations=activations, head_dim=head_dim)
     assert fmt == "u8" and why in reason and "kv_precision=i8" in reason
+
+
+@pytest.mark.parametrize("head_dim", [None, 64, 128])
+def test_kv_int8_alone_on_amx_under_bf16_takes_i8_where_its_prompts_run_on_tiles(op_lib: Path,
+                                                                                 head_dim: int | None) -> None:
+    """Under bf16 activations OpenVINO's u8 kernel computes prompts on AMX tiles; so does the i8 op for head sizes 64
+    and 128 where it is compiled with AMX and Linux grants the tiles: i8 there, and the reason says so; where the op
+    as compiled here runs its prompts on vectors (a CPU without AMX running this test with an AMX CPU's flags), u8.
+    `kvexport doctor` (compile=False) assumes the tiles."""
+    on_tiles = "prompts: AMX" in int8_blocks.kernels(op_lib, head_dim or 64)
+    fmt, reason = int8_blocks.int8_format(AMX, activations="bf16", head_dim=head_dim)
+    if on_tiles:
+        assert fmt == "i8" and "prompts on AMX tiles" in reason and "kv_precision=u8" in reason
+    else:
+        assert fmt == "u8" and "runs no prompt on them" in reason and "kv_precision=i8" in reason
+    fmt, reason = int8_blocks.int8_format(AMX, compile=False, activations="bf16", head_dim=head_dim)
+    assert fmt == "i8" and "prompts on AMX tiles" in reason
 
 
 def test_kv_int8_alone_takes_i8_on_amx_under_f32_activations() -> None:
     """Under f32 activations OpenVINO's u8 kernel computes no prompt on AMX tiles, and i8 decoded faster there: an AMX
-    CPU holds i8 for an f32 build (where its op compiles) and says why."""
-    fmt, reason = int8_blocks.int8_format(AMX, activations="fp32")
+    CPU holds i8 for an f32 build (where its op compiles), whatever its head size, and says why."""
+    fmt, reason = int8_blocks.int8_format(AMX, activations="fp32", head_dim=96)
     assert fmt == "i8" and "with AMX, under f32 activations" in reason and "kv_precision=u8" in reason
     assert int8_blocks.int8_format(AMX - {"avx512_bf16", "amx_bf16"})[0] == "i8"  # no bf16 hardware: f32 by default
 
@@ -304,8 +323,10 @@ def test_kv_int8_alone_builds_the_format_this_cpu_pays_for(intel_artifacts: dict
 
     flags = read_cpu_flags()
     vector = "avx512f" in flags or {"avx2", "fma"} <= flags
-    amx_prompts = {"amx_bf16", "amx_int8"} & flags and {"amx_bf16", "avx512_bf16"} & flags  # AMX under bf16
-    expected = "i8" if vector and not amx_prompts else "u8"
+    u8_on_tiles = {"amx_bf16", "amx_int8"} & flags and {"amx_bf16", "avx512_bf16"} & flags  # AMX under bf16
+    head_dim = TINY_CONFIGS["llama"]["hidden_size"] // TINY_CONFIGS["llama"]["num_attention_heads"]
+    i8_on_tiles = head_dim in int8_blocks.AMX_HEAD_DIMS and "prompts: AMX" in int8_blocks.kernels(library(), head_dim)
+    expected = "i8" if vector and (not u8_on_tiles or i8_on_tiles) else "u8"
     said: list[str] = []
     art = build(intel_artifacts["llama"][0], tmp_path / "kv8.kvx", target="intel", max_seq=64, verify=False,
                 options=BuildOptions(kv="int8"), progress=said.append)
@@ -328,12 +349,14 @@ def test_other_builds_attend_as_this_one_does(variant: str) -> None:
     share a process): KVEXPORT_I8_AVX2 without AVX-512 (an AVX2 Zen 3's: AVX2 kernels, prompts in int16 pairs),
     KVEXPORT_I8_PORTABLE without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS with every kernel in f32
     (with AVX-512: an AVX-512 CPU without VNNI and AVX512-BF16; with KVEXPORT_I8_AVX2 too: the AVX2 kernels in f32),
-    KVEXPORT_I8_NO_BF16 with VNNI scores and f32 weighted values (an AVX-512 CPU with VNNI and without AVX512-BF16)."""
+    KVEXPORT_I8_NO_BF16 with VNNI scores and f32 weighted values (an AVX-512 CPU with VNNI and without AVX512-BF16),
+    KVEXPORT_I8_NO_AMX on an AMX CPU with its prompts in VNNI and AVX512-BF16 rather than on AMX tiles."""
     if any(os.environ.get(name) == "1" for name in int8_blocks.VARIANTS):
         pytest.skip("this process already runs another build of the op")
     from kvexport.doctor import read_cpu_flags
 
-    needs = {"KVEXPORT_I8_AVX2": "avx2", "KVEXPORT_I8_F32_PROMPTS": "avx2", "KVEXPORT_I8_NO_BF16": "avx512_vnni"}
+    needs = {"KVEXPORT_I8_AVX2": "avx2", "KVEXPORT_I8_F32_PROMPTS": "avx2", "KVEXPORT_I8_NO_BF16": "avx512_vnni",
+             "KVEXPORT_I8_NO_AMX": "amx_tile"}
     names = variant.split("+")
     lacking = [needs[name] for name in names if name in needs and needs[name] not in read_cpu_flags()]
     if lacking:
@@ -364,3 +387,27 @@ def test_the_decode_benchmark_builds_against_this_source(op_lib: Path) -> None:
     assert line.startswith("decode over 600 slots, a layer:"), line
     timings = [float(x) for x in line.replace("(", " ").replace(")", " ").split() if x.replace(".", "", 1).isdigit()]
     assert len(timings) == 7 and all(t > 0 for t in timings[1:]), line  # the slots, then three medians and quartiles
+
+
+def test_the_benchmark_times_a_prompt_through_the_ops_own_prompt_path(op_lib: Path) -> None:
+    """benchmarks/i8_decode_op.py --prompt calls the op's prompt (the tiles the engine's prompts take) and names the
+    kernels it timed, as the library says them."""
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "i8_decode_op.py"
+    done = subprocess.run([sys.executable, str(script), "300", "2", "3", "--prompt"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"prompt of 300 tokens, a layer ({int8_blocks.kernels(op_lib, 64)}): "), line
+
+
+def test_prompts_run_on_amx_tiles_where_the_cpu_has_them(op_lib: Path) -> None:
+    """On a CPU with AMX-TILE, AMX-INT8 and AMX-BF16 (Linux granting the tiles, as every kernel since 5.16 does) the
+    op's prompts for head sizes 64 and 128 take its AMX form, which the op tests above then hold to the reference;
+    other head sizes keep the vector kernels."""
+    from kvexport.doctor import read_cpu_flags
+
+    if not {"amx_tile", "amx_int8", "amx_bf16"} <= read_cpu_flags():
+        pytest.skip("this CPU has no AMX: its op's prompts run on vectors (the other tests cover them)")
+    for D in int8_blocks.AMX_HEAD_DIMS:
+        assert "prompts: AMX, scores int8 (AMX-INT8), weighted values bf16 (AMX-BF16)" in int8_blocks.kernels(op_lib, D)
+    assert "prompts: AVX-512, scores int8 (VNNI)" in int8_blocks.kernels(op_lib, 96)

@@ -31,10 +31,15 @@
 // head dimension without horizontal sums). Where the CPU has VNNI, scores are int8 products (the query rows rounded
 // to int8 as the keys are), a decode step's too; where it has AVX512-BF16, a prompt's weighted values are bf16 pair
 // products (the values' int8 exact, the weights rounded to bf16); a decode step's weighted values, and CPUs without
-// them, compute in f32 (AVX2: int16 products, below).
+// them, compute in f32 (AVX2: int16 products, below). Where the CPU has AMX (and Linux lets the process use its
+// tiles), a prompt tile's scores and weighted values are those same int8 and bf16 products on AMX tiles, 16 query
+// rows at a time (amx_rows, below), their softmax in the same passes that scale the scores and round the weights.
+#include <sys/syscall.h>
 #include <tbb/parallel_for.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -53,7 +58,10 @@
 namespace {
 
 constexpr int64_t RUN = 512;   // cache slots a decode task reads
-constexpr int64_t QTILE = 32;  // prompt tokens a task takes
+constexpr int64_t QTILE = 32;  // prompt tokens a task takes (QTILE_AMX where its prompts run on AMX tiles)
+// On the 2-core AMX Xeon (benchmarks/i8_decode_op.py --prompt: a 4000-token prompt, one layer, 12/4 heads, head_dim
+// 64): 58 ms a layer with tiles of 32 tokens on AMX, 50.8 with 64, 50.5 with 128 (the vector kernels 110, 106, 103)
+constexpr int64_t QTILE_AMX = 64;
 // A decode step reading fewer slots than this (summed over its sequences and KV heads) runs on the calling thread:
 // waking the other costs more. On the Zen 4 (bench-125m int4 g32, `kvexport bench --step-pairs`, i8 against u8):
 // prompt 32 0.91x u8's steps split over the threads, 0.97x on one; 256 and 512 1.020x / 1.015x split, 1.000x / 1.008x
@@ -298,6 +306,54 @@ inline __m512 widen(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_
 #else
 #define I8_PV_BF16 0
 #define I8_PV_NAME "f32"
+#endif
+
+#if I8_QK_VNNI && I8_PV_BF16 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+#define I8_AMX 1
+// AMX: eight tile registers of up to 16 rows of 64 bytes, configured per thread (ldtilecfg) and used only after
+// Linux has granted the process the tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, once; a kernel
+// before 5.16, or one that refuses, leaves the VNNI and AVX512-BF16 kernels in use). Every tile here is 16 x 64
+// bytes: tmm0-3 sums (16 x 16 int32 scores, or 16 x 16 f32 weighted values), tmm4 a block of 16 query rows (64 u8
+// of each) or of their weights (32 bf16 slots of each), tmm5-7 keys or values in VNNI layout (16 rows of four int8
+// of 16 keys; or of two bf16 slots of 16 dimensions).
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    unsigned long features = 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &features) == 0 && (features >> XFEATURE_XTILEDATA & 1)) return true;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
+
+// This thread's tiles as the AMX kernel needs them for its call, and given back as they were after (OpenVINO's own
+// AMX kernels share the threads and configure their tiles themselves).
+struct TilesHeld {
+  TileConfig saved{};
+  TilesHeld() {
+    _tile_storeconfig(&saved);
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+  }
+  ~TilesHeld() {
+    if (saved.palette)
+      _tile_loadconfig(&saved);
+    else
+      _tile_release();
+  }
+};
+#define I8_AMX_QK_NAME "int8 (AMX-INT8)"
+#define I8_AMX_PV_NAME "bf16 (AMX-BF16)"
+#else
+#define I8_AMX 0
 #endif
 
 #if I8_QK_VNNI
@@ -750,23 +806,140 @@ void attend_run_vnni(const float* q, int64_t G, int8_t* kc, int8_t* vc, const Sh
 }
 #endif
 
+#if I8_AMX
+// e^x for x <= 0 to about 4e-5 of it (0 below -104): exp16's reduction with a degree-4 polynomial, for the AMX
+// kernel's weights, which are rounded to bf16 (2^-9 of each) anyway, and their sums.
+inline __m512 exp16_short(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_setzero_ps()), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.f / 24.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// attend_tile_simd's step for one block of 16 query rows (r0 .. r0 + nr - 1, padded to 16) over a chunk's slots
+// jlo .. jhi - 1 (rounded out to multiples of 32) on AMX tiles: their int32 scores (u8 x s8, four products a 32-bit
+// lane, a tile of 16 rows by 16 keys over 64 of the head's values a step) into sc, scaled in place as scores_vnni
+// scales them while each row's maximum is taken; each row's softmax update, its weights (softmax times each slot's
+// value scale) rounded to bf16 in the same pass; then the weighted values (bf16 pairs of slots, 32 slots a step,
+// four tiles of 16 x 16 f32 sums for 64 of the head's dimensions) into pv, added to the rows' outputs o after their
+// correction. q: the tile's u8 query rows, kt / vf: the chunk's keys (kq layout) and values (bf16 pairs), as the
+// VNNI and AVX512-BF16 kernels hold them.
+template <int64_t D, int64_t CHUNK>
+void amx_rows(const float* q, float* o, const float* kt, const float* vf, float* sc, float* wt, float* pv,
+              const int32_t* kcorr, const float* kscl, const float* vscl, const float* qscl, float* m, float* l,
+              int64_t r0, int64_t nr, const int64_t* row, const int64_t* lo, const int64_t* hi, int64_t jlo,
+              int64_t jhi) {
+  constexpr int64_t D4 = D / 4, RB = 16;
+  jlo = jlo / 32 * 32, jhi = (jhi + 31) / 32 * 32;  // the last chunk's keys and values past its slots are zeros
+  int32_t* si = reinterpret_cast<int32_t*>(sc);
+  const uint8_t* qu = reinterpret_cast<const uint8_t*>(q) + r0 * D;
+  const int32_t* kq = reinterpret_cast<const int32_t*>(kt);
+  for (int64_t j = jlo; j < jhi; j += 32) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t d4 = 0; d4 < D4; d4 += 16) {
+      _tile_loadd(4, qu + 4 * d4, D);
+      _tile_loadd(5, kq + d4 * CHUNK + j, CHUNK * 4);
+      _tile_loadd(6, kq + d4 * CHUNK + j + 16, CHUNK * 4);
+      _tile_dpbusd(0, 4, 5);
+      _tile_dpbusd(1, 4, 6);
+    }
+    _tile_stored(0, si + j, CHUNK * 4);
+    _tile_stored(1, si + j + 16, CHUNK * 4);
+  }
+  uint16_t* w = reinterpret_cast<uint16_t*>(wt);  // row i's bf16 weights at w + i * 2 * CHUNK, in slot order
+  alignas(64) float corr[RB];
+  for (int64_t i = 0; i < RB; i++) {
+    uint16_t* wi = w + i * 2 * CHUNK;
+    if (hi[i] <= lo[i]) {  // nothing seen in this chunk (or a padding row)
+      for (int64_t j = jlo; j < jhi; j += 32) _mm512_store_si512(wi + j, _mm512_setzero_si512());
+      corr[i] = 1.f;
+      continue;
+    }
+    const int64_t r = r0 + i;
+    const __m512 qs = _mm512_set1_ps(qscl[row[i]]);
+    float* x = sc + i * CHUNK;
+    __m512 mx = _mm512_set1_ps(m[r]);
+    for (int64_t j = jlo; j < jhi; j += 16) {
+      const __mmask16 seen = first(hi[i] - j) & (__mmask16)~first(lo[i] - j);
+      const __m512i dot = _mm512_sub_epi32(_mm512_load_si512(si + i * CHUNK + j), _mm512_load_si512(kcorr + j));
+      const __m512 score = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_load_ps(kscl + j), qs));
+      _mm512_store_ps(x + j, score);
+      mx = _mm512_mask_max_ps(mx, seen, mx, score);
+    }
+    const float mnew = _mm512_reduce_max_ps(mx);
+    const __m512 mv = _mm512_set1_ps(mnew);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = jlo; j < jhi; j += 16) {
+      const __mmask16 seen = first(hi[i] - j) & (__mmask16)~first(lo[i] - j);
+      const __m512 e = _mm512_maskz_mov_ps(seen, exp16_short(_mm512_sub_ps(_mm512_load_ps(x + j), mv)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(wi + j),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_load_ps(vscl + j))));
+    }
+    corr[i] = std::exp(m[r] - mnew);  // 0 where nothing was seen before (m = -inf)
+    l[r] = l[r] * corr[i] + _mm512_reduce_add_ps(sum);
+    m[r] = mnew;
+  }
+  const uint32_t* vp = reinterpret_cast<const uint32_t*>(vf);
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j = jlo; j < jhi; j += 32) {  // 32 slots: 16 pairs
+      _tile_loadd(4, w + j, CHUNK * 4);
+      _tile_loadd(5, vp + j / 2 * D + c0, D * 4);
+      _tile_loadd(6, vp + j / 2 * D + c0 + 16, D * 4);
+      _tile_loadd(7, vp + j / 2 * D + c0 + 32, D * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, vp + j / 2 * D + c0 + 48, D * 4);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, pv + c0, D * 4);
+    _tile_stored(1, pv + c0 + 16, D * 4);
+    _tile_stored(2, pv + c0 + 32, D * 4);
+    _tile_stored(3, pv + c0 + 48, D * 4);
+  }
+  for (int64_t i = 0; i < nr; i++) {
+    float* orow = o + (r0 + i) * D;
+    const __m512 cv = _mm512_set1_ps(corr[i]);
+    for (int64_t c = 0; c < D; c += 16)
+      _mm512_store_ps(orow + c, _mm512_fmadd_ps(_mm512_load_ps(orow + c), cv, _mm512_load_ps(pv + i * D + c)));
+  }
+}
+#endif
+
 // attend_tile for blocks of 32 slots, CHUNK slots (four blocks) at a time: their keys transposed once for the tile,
 // so that RB query rows' scores are vector products of broadcast query values over keys (no sums across lanes); one
 // softmax update a row for the chunk; the RB rows' values summed together, each value vector loaded once for them.
 // V: the vector operations (V16 or V8); NV = D / V::W. The VNNI and bf16 paths are V16's (I8_QK_VNNI, I8_PV_BF16).
-template <class V, int64_t NV>
+// AMX (I8_AMX builds, head sizes 64 and 128, through attend_tile_amx): each block of 16 rows by amx_rows (the query
+// rows padded to a multiple of 16 with zeros, their outputs dropped).
+template <class V, int64_t NV, bool AMX = false>
 void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
                       int64_t s, int64_t h, int64_t t0, int64_t t1, float scale, int64_t window) {
   using F = typename V::F;
-  constexpr int64_t W = V::W, D = NV * W, D4 = D / 4, BS = 32, CHUNK = V::CHUNK, RB = V::RB(D), CS = V::CS(NV), KG = 4 * W;
-  const int64_t G = sh.G, rows = (t1 - t0) * G;
+  constexpr int64_t W = V::W, D = NV * W, D4 = D / 4, BS = 32, CHUNK = V::CHUNK, CS = V::CS(NV), KG = 4 * W;
+  constexpr int64_t RB = AMX ? 16 : V::RB(D);
+  const int64_t G = sh.G, rows = (t1 - t0) * G, qrows = AMX ? (rows + 15) / 16 * 16 : rows;
   const int64_t p0 = seqs.pos(s, t0), plast = p0 + (t1 - t0) - 1;
-  // floats: q (rows x D; u8 rows where VNNI), o, keys (D x CHUNK), values (CHUNK x D), scores, weights, scales
-  std::vector<float> buf(rows * (2 * D + 3) + 2 * D * CHUNK + 2 * RB * CHUNK + 4 * CHUNK + 32);
+  // floats: q (qrows x D; u8 rows where VNNI), o, keys (D x CHUNK), values (CHUNK x D), scores, weights, a block's
+  // weighted values (AMX), scales
+  std::vector<float> buf(qrows * D + rows * (D + 3) + 2 * D * CHUNK + 2 * RB * CHUNK + RB * D + 4 * CHUNK + 32);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-  float *q = base, *o = q + rows * D, *kt = o + rows * D, *vf = kt + D * CHUNK, *sc = vf + CHUNK * D;
-  float *wt = sc + RB * CHUNK, *kscl = wt + RB * CHUNK, *vscl = kscl + CHUNK, *m = vscl + CHUNK, *l = m + rows;
-  float* qscl = l + rows;
+  float *q = base, *o = q + qrows * D, *kt = o + rows * D, *vf = kt + D * CHUNK, *sc = vf + CHUNK * D;
+  float *wt = sc + RB * CHUNK, *pv = wt + RB * CHUNK, *kscl = pv + RB * D, *vscl = kscl + CHUNK, *m = vscl + CHUNK;
+  float *l = m + rows, *qscl = l + rows;
+  (void)pv;
   const F sv = V::set1(scale);
   for (int64_t t = t0; t < t1; t++)
     for (int64_t g = 0; g < G; g++) {
@@ -894,6 +1067,12 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
       int64_t jlo = CHUNK, jhi = 0;  // the slots any of the rows sees
       for (int64_t i = 0; i < nr; i++) jlo = std::min(jlo, lo[i]), jhi = std::max(jhi, hi[i]);
       if (jhi <= jlo) continue;
+#if I8_AMX
+      if constexpr (AMX) {
+        amx_rows<D, CHUNK>(q, o, kt, vf, sc, wt, pv, kcorr, kscl, vscl, qscl, m, l, r0, nr, row, lo, hi, jlo, jhi);
+        continue;
+      }
+#endif
       // scores of the RB rows, 4 vectors of keys at a time: RB x 4 accumulators, one broadcast query value for four
       // products
 #if I8_QK_VNNI
@@ -1002,7 +1181,6 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
         }
 #endif
       }
-      // the RB rows' values together: each value vector loaded once, RB x NV accumulators
       // the RB rows' values together, CS vectors of each at a time (all of them with 32 registers): each value vector
       // loaded once for the RB rows, RB x CS sums
 #if I8_PV_I16
@@ -1090,6 +1268,19 @@ using RunKernel = void (*)(const float*, int64_t, int8_t*, int8_t*, const Shape&
 using TileKernel = void (*)(const float*, float*, int8_t*, int8_t*, const Shape&, const Seqs&, int64_t, int64_t,
                             int64_t, int64_t, float, int64_t);
 
+#if I8_AMX
+// attend_tile_simd's AMX form, with this thread's tiles configured for it over the call.
+template <int64_t NV>
+void attend_tile_amx(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
+                     int64_t s, int64_t h, int64_t t0, int64_t t1, float scale, int64_t window) {
+  TilesHeld held;
+  attend_tile_simd<Vec, NV, true>(query, out, kc, vc, sh, seqs, s, h, t0, t1, scale, window);
+}
+
+// Whether a prompt of head size D runs on AMX tiles here.
+bool amx_tiles(int64_t D) { return (D == 64 || D == 128) && amx_granted(); }
+#endif
+
 RunKernel run_kernel_for(const Shape& sh) {
 #ifdef I8_SIMD
 #if I8_QK_VNNI
@@ -1112,6 +1303,9 @@ RunKernel run_kernel_for(const Shape& sh) {
 }
 
 TileKernel tile_kernel_for(const Shape& sh) {
+#if I8_AMX
+  if (sh.BS == 32 && amx_tiles(sh.D)) return sh.D == 64 ? attend_tile_amx<4> : attend_tile_amx<8>;
+#endif
 #ifdef I8_SIMD
   if (sh.BS == 32) switch (sh.D) {
       case 32: return attend_tile_simd<Vec, 32 / Vec::W>;
@@ -1221,17 +1415,29 @@ class Int8PagedAttention : public ov::op::Op {
 
     bool one = true;  // one new token a sequence: a decode step
     for (int64_t s = 0; s < seqs.n; s++) one = one && seqs.begins[s + 1] - seqs.begins[s] == 1;
-    if (one) {
+    if (one)
       decode(query, out, kc, vc, sh, seqs, scale, window);
-      return true;
-    }
+    else
+      prompt(query, out, kc, vc, sh, seqs, scale, window);
+    return true;
+  }
+
+ private:
+  // New tokens several a sequence (their rows already in the blocks): tiles of QTILE tokens a KV head on the threads.
+  static void prompt(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
+                     float scale, int64_t window) {
+#if I8_AMX
+    const int64_t qtile = sh.BS == 32 && amx_tiles(sh.D) ? QTILE_AMX : QTILE;
+#else
+    const int64_t qtile = QTILE;
+#endif
     struct Tile {
       int64_t s, t0, t1;
     };
     std::vector<Tile> tiles;
     for (int64_t s = 0; s < seqs.n; s++)
-      for (int64_t t = seqs.begins[s]; t < seqs.begins[s + 1]; t += QTILE)
-        tiles.push_back({s, t, std::min<int64_t>(t + QTILE, seqs.begins[s + 1])});
+      for (int64_t t = seqs.begins[s]; t < seqs.begins[s + 1]; t += qtile)
+        tiles.push_back({s, t, std::min<int64_t>(t + qtile, seqs.begins[s + 1])});
     // the longest tiles (the latest positions) first, so the threads end together
     std::reverse(tiles.begin(), tiles.end());
     const TileKernel tile_kernel = tile_kernel_for(sh);
@@ -1239,10 +1445,8 @@ class Int8PagedAttention : public ov::op::Op {
       const Tile& tile = tiles[i / sh.KV];
       tile_kernel(query, out, kc, vc, sh, seqs, tile.s, i % sh.KV, tile.t0, tile.t1, scale, window);
     });
-    return true;
   }
 
- private:
   static void decode(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
                      float scale, int64_t window) {
     const int64_t D = sh.D, G = sh.G;
@@ -1305,6 +1509,11 @@ class Int8PagedAttention : public ov::op::Op {
 
 // What the library's kernels for head size `head_dim` (blocks of 32) multiply with, for kvexport_intel.int8_blocks.kernels.
 extern "C" const char* kvexport_i8_kernels(int64_t head_dim) {
+#if I8_AMX
+  if (amx_tiles(head_dim))
+    return "decode: AVX-512, scores " I8_QK_NAME ", weighted values f32; prompts: AMX, scores " I8_AMX_QK_NAME
+           ", weighted values " I8_AMX_PV_NAME;
+#endif
 #ifdef __AVX512F__
   if (head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128)
     return "decode: AVX-512, scores " I8_QK_NAME ", weighted values f32; prompts: AVX-512, scores " I8_QK_NAME
