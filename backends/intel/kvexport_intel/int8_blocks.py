@@ -96,7 +96,7 @@ def library() -> Path:
 
 
 # the head sizes whose prompts the op computes on AMX tiles where the CPU has them (attend_tile_amx)
-AMX_HEAD_DIMS = (64, 128)
+AMX_HEAD_DIMS = (32, 64, 96, 128)
 
 
 def int8_format(flags: set[str], compile: bool = True, activations: str | None = None,
@@ -123,7 +123,7 @@ def int8_format(flags: set[str], compile: bool = True, activations: str | None =
         size = f"head_dim {head_dim}" if amx else "this CPU (it lacks one of AMX-TILE, AMX-INT8, AMX-BF16)"
         return "u8", ("under bf16 activations OpenVINO's u8 kernel computes prompts on this CPU's AMX tiles, which the "
                       f"i8 cache's prompt kernel does not for {size} (its AMX form takes head sizes "
-                      f"{' and '.join(map(str, AMX_HEAD_DIMS))}; on a 2-core AMX Xeon its vector kernels took 1.6x "
+                      f"{', '.join(map(str, AMX_HEAD_DIMS))}; on a 2-core AMX Xeon its vector kernels took 1.6x "
                       "u8's time for a 4096-token prompt)" + other)
     cxx = os.environ.get("CXX") or "c++"
     if not compile and shutil.which(cxx) is None:

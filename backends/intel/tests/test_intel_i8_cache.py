@@ -265,8 +265,8 @@ AMX = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_til
 @pytest.mark.parametrize("flags, activations, head_dim, why", [
     ({"sse4_2", "avx"}, None, None, "neither AVX-512 nor AVX2 with FMA"),
     ({"avx2"}, None, None, "neither AVX-512 nor AVX2 with FMA"),
-    (AMX, None, 96, "does not for head_dim 96"),  # an AMX CPU's own precision is bf16
-    (AMX, "bf16", 32, "does not for head_dim 32"),
+    (AMX, None, 80, "does not for head_dim 80"),  # an AMX CPU's own precision is bf16
+    (AMX, "bf16", 16, "does not for head_dim 16"),
     ({"avx2", "fma", "amx_int8", "amx_tile"}, "bf16", 64, "lacks one of AMX-TILE, AMX-INT8, AMX-BF16"),
 ])
 def test_kv_int8_alone_takes_u8_where_i8_does_not_pay(flags: set, activations: str | None, head_dim: int | None,
@@ -275,11 +275,11 @@ def test_kv_int8_alone_takes_u8_where_i8_does_not_pay(flags: set, activations: s
     assert fmt == "u8" and why in reason and "kv_precision=i8" in reason
 
 
-@pytest.mark.parametrize("head_dim", [None, 64, 128])
+@pytest.mark.parametrize("head_dim", [None, 32, 64, 96, 128])
 def test_kv_int8_alone_on_amx_under_bf16_takes_i8_where_its_prompts_run_on_tiles(op_lib: Path,
                                                                                  head_dim: int | None) -> None:
-    """Under bf16 activations OpenVINO's u8 kernel computes prompts on AMX tiles; so does the i8 op for head sizes 64
-    and 128 where it is compiled with AMX and Linux grants the tiles: i8 there, and the reason says so; where the op
+    """Under bf16 activations OpenVINO's u8 kernel computes prompts on AMX tiles; so does the i8 op for head sizes 32,
+    64, 96 and 128 where it is compiled with AMX and Linux grants the tiles: i8 there, and the reason says so; where the op
     as compiled here runs its prompts on vectors (a CPU without AMX running this test with an AMX CPU's flags), u8.
     `kvexport doctor` (compile=False) assumes the tiles."""
     on_tiles = "prompts: AMX" in int8_blocks.kernels(op_lib, head_dim or 64)
@@ -295,7 +295,7 @@ def test_kv_int8_alone_on_amx_under_bf16_takes_i8_where_its_prompts_run_on_tiles
 def test_kv_int8_alone_takes_i8_on_amx_under_f32_activations() -> None:
     """Under f32 activations OpenVINO's u8 kernel computes no prompt on AMX tiles, and i8 decoded faster there: an AMX
     CPU holds i8 for an f32 build (where its op compiles), whatever its head size, and says why."""
-    fmt, reason = int8_blocks.int8_format(AMX, activations="fp32", head_dim=96)
+    fmt, reason = int8_blocks.int8_format(AMX, activations="fp32", head_dim=80)
     assert fmt == "i8" and "with AMX, under f32 activations" in reason and "kv_precision=u8" in reason
     assert int8_blocks.int8_format(AMX - {"avx512_bf16", "amx_bf16"})[0] == "i8"  # no bf16 hardware: f32 by default
 
@@ -402,12 +402,12 @@ def test_the_benchmark_times_a_prompt_through_the_ops_own_prompt_path(op_lib: Pa
 
 def test_prompts_run_on_amx_tiles_where_the_cpu_has_them(op_lib: Path) -> None:
     """On a CPU with AMX-TILE, AMX-INT8 and AMX-BF16 (Linux granting the tiles, as every kernel since 5.16 does) the
-    op's prompts for head sizes 64 and 128 take its AMX form, which the op tests above then hold to the reference;
-    other head sizes keep the vector kernels."""
+    op's prompts for head sizes 32, 64, 96 and 128 take its AMX form, which the op tests above then hold to the
+    reference; other head sizes keep the portable loops."""
     from kvexport.doctor import read_cpu_flags
 
     if not {"amx_tile", "amx_int8", "amx_bf16"} <= read_cpu_flags():
         pytest.skip("this CPU has no AMX: its op's prompts run on vectors (the other tests cover them)")
     for D in int8_blocks.AMX_HEAD_DIMS:
         assert "prompts: AMX, scores int8 (AMX-INT8), weighted values bf16 (AMX-BF16)" in int8_blocks.kernels(op_lib, D)
-    assert "prompts: AVX-512, scores int8 (VNNI)" in int8_blocks.kernels(op_lib, 96)
+    assert "prompts: portable f32" in int8_blocks.kernels(op_lib, 80)

@@ -71,6 +71,10 @@ constexpr int64_t MAX_D = 256;
 constexpr int64_t MAX_BS = 64;
 constexpr int64_t MAX_GROUP = 16;
 
+// The bytes of a u8 query row (and the rows of four key values) the scores' tiles take (I8_AMX builds): the head size rounded up to
+// 64, a tile's depth; the keys' rows past the head size stay zero, so the query's padding adds nothing.
+constexpr int64_t amx_depth(int64_t D) { return (D + 63) / 64 * 64; }
+
 struct Shape {
   int64_t H, KV, D, BS, G;  // query heads, KV heads, head size, block size, query heads a KV head
   int64_t row_bytes() const { return BS * (D + 4); }  // one block's bytes for one KV head
@@ -835,16 +839,16 @@ void amx_rows(const float* q, float* o, const float* kt, const float* vf, float*
               const int32_t* kcorr, const float* kscl, const float* vscl, const float* qscl, float* m, float* l,
               int64_t r0, int64_t nr, const int64_t* row, const int64_t* lo, const int64_t* hi, int64_t jlo,
               int64_t jhi) {
-  constexpr int64_t D4 = D / 4, RB = 16;
+  constexpr int64_t DP = amx_depth(D), RB = 16;
   jlo = jlo / 32 * 32, jhi = (jhi + 31) / 32 * 32;  // the last chunk's keys and values past its slots are zeros
   int32_t* si = reinterpret_cast<int32_t*>(sc);
-  const uint8_t* qu = reinterpret_cast<const uint8_t*>(q) + r0 * D;
+  const uint8_t* qu = reinterpret_cast<const uint8_t*>(q) + r0 * DP;
   const int32_t* kq = reinterpret_cast<const int32_t*>(kt);
   for (int64_t j = jlo; j < jhi; j += 32) {
     _tile_zero(0);
     _tile_zero(1);
-    for (int64_t d4 = 0; d4 < D4; d4 += 16) {
-      _tile_loadd(4, qu + 4 * d4, D);
+    for (int64_t d4 = 0; d4 < DP / 4; d4 += 16) {
+      _tile_loadd(4, qu + 4 * d4, DP);
       _tile_loadd(5, kq + d4 * CHUNK + j, CHUNK * 4);
       _tile_loadd(6, kq + d4 * CHUNK + j + 16, CHUNK * 4);
       _tile_dpbusd(0, 4, 5);
@@ -888,7 +892,7 @@ void amx_rows(const float* q, float* o, const float* kt, const float* vf, float*
     m[r] = mnew;
   }
   const uint32_t* vp = reinterpret_cast<const uint32_t*>(vf);
-  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+  for (int64_t c0 = 0; c0 + 64 <= D; c0 += 64) {  // four tiles of sums: 64 dimensions
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -909,6 +913,20 @@ void amx_rows(const float* q, float* o, const float* kt, const float* vf, float*
     _tile_stored(2, pv + c0 + 32, D * 4);
     _tile_stored(3, pv + c0 + 48, D * 4);
   }
+  if constexpr (D % 64 != 0) {  // the last 32 dimensions (head sizes 32 and 96): two tiles of sums
+    constexpr int64_t c0 = D - 32;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t j = jlo; j < jhi; j += 32) {
+      _tile_loadd(4, w + j, CHUNK * 4);
+      _tile_loadd(5, vp + j / 2 * D + c0, D * 4);
+      _tile_loadd(6, vp + j / 2 * D + c0 + 16, D * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    _tile_stored(0, pv + c0, D * 4);
+    _tile_stored(1, pv + c0 + 16, D * 4);
+  }
   for (int64_t i = 0; i < nr; i++) {
     float* orow = o + (r0 + i) * D;
     const __m512 cv = _mm512_set1_ps(corr[i]);
@@ -922,7 +940,7 @@ void amx_rows(const float* q, float* o, const float* kt, const float* vf, float*
 // so that RB query rows' scores are vector products of broadcast query values over keys (no sums across lanes); one
 // softmax update a row for the chunk; the RB rows' values summed together, each value vector loaded once for them.
 // V: the vector operations (V16 or V8); NV = D / V::W. The VNNI and bf16 paths are V16's (I8_QK_VNNI, I8_PV_BF16).
-// AMX (I8_AMX builds, head sizes 64 and 128, through attend_tile_amx): each block of 16 rows by amx_rows (the query
+// AMX (I8_AMX builds, head sizes 32, 64, 96 and 128, through attend_tile_amx): each block of 16 rows by amx_rows (the query
 // rows padded to a multiple of 16 with zeros, their outputs dropped).
 template <class V, int64_t NV, bool AMX = false>
 void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
@@ -954,7 +972,7 @@ void attend_tile_simd(const float* query, float* out, int8_t* kc, int8_t* vc, co
       for (int64_t c = 0; c < NV; c++) V::store(xs + c * W, x[c]);
       quantize(xs, D, qi, qscl + r);
 #if I8_QK_VNNI
-      uint8_t* qu = reinterpret_cast<uint8_t*>(q) + r * D;
+      uint8_t* qu = reinterpret_cast<uint8_t*>(q) + r * (AMX ? amx_depth(D) : D);
       for (int64_t d = 0; d < D; d++) qu[d] = static_cast<uint8_t>(qi[d] + 128);
 #else
       int16_t* q16 = reinterpret_cast<int16_t*>(q) + r * D;
@@ -1278,7 +1296,7 @@ void attend_tile_amx(const float* query, float* out, int8_t* kc, int8_t* vc, con
 }
 
 // Whether a prompt of head size D runs on AMX tiles here.
-bool amx_tiles(int64_t D) { return (D == 64 || D == 128) && amx_granted(); }
+bool amx_tiles(int64_t D) { return (D == 32 || D == 64 || D == 96 || D == 128) && amx_granted(); }
 #endif
 
 RunKernel run_kernel_for(const Shape& sh) {
@@ -1304,7 +1322,12 @@ RunKernel run_kernel_for(const Shape& sh) {
 
 TileKernel tile_kernel_for(const Shape& sh) {
 #if I8_AMX
-  if (sh.BS == 32 && amx_tiles(sh.D)) return sh.D == 64 ? attend_tile_amx<4> : attend_tile_amx<8>;
+  if (sh.BS == 32 && amx_tiles(sh.D)) switch (sh.D) {
+      case 32: return attend_tile_amx<2>;
+      case 64: return attend_tile_amx<4>;
+      case 96: return attend_tile_amx<6>;
+      case 128: return attend_tile_amx<8>;
+    }
 #endif
 #ifdef I8_SIMD
   if (sh.BS == 32) switch (sh.D) {
