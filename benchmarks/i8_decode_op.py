@@ -136,7 +136,8 @@ def main(argv: list[str]) -> None:
         subprocess.run([cxx, *flags, str(Path(tmp) / "driver.cpp"), f"-I{include}", f"-I{int8_blocks.SHARED}",
                         str(sorted(libs.glob("libopenvino.so*"))[0]), str(sorted(libs.glob("libtbb.so*"))[0]),
                         f"-Wl,-rpath,{libs}", "-o", str(exe)], check=True)
-        subprocess.run([str(exe), str(slots), str(layers), str(rounds), *(["prompt"] if a.prompt else [])], check=True)
+        mode = ["prompt"] if a.prompt else []
+        subprocess.run([str(exe), str(slots), str(layers), str(rounds), *mode], check=True)
 
 
 if __name__ == "__main__":

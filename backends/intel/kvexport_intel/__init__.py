@@ -33,8 +33,8 @@ OPTIONS = (
     Option("kv_precision", "str", None, "the cache's precision in OpenVINO's words (f32, f16, bf16, u8), or i8: "
            "kvexport's own int8 blocks, one f32 scale per token and head (0.266x f32 at head_dim 64, u8 0.281x), "
            "for paged requests; at build another name for --kv (u8 and i8 are --kv int8, which alone holds i8 on "
-           "AVX-512 or AVX2 CPUs where a C++ compiler is on PATH (on AMX ones under bf16 for head sizes 32, 64, 96, 128, whose "
-           "prompts it runs on AMX tiles), else u8), "
+           "AVX-512 or AVX2 CPUs where a C++ compiler is on PATH (on AMX ones under bf16 for head sizes 32, 64, "
+           "96, 128, whose prompts it runs on AMX tiles), else u8), "
            "at load another precision than built", choices=KV_PRECISIONS, phase="load"),
     Option("precision", "str", None, "run in another precision than built", choices=("fp32", "bf16", "f32", "bfloat16"),
            phase="load"),
