@@ -141,7 +141,7 @@ def int8_format(flags: set[str], compile: bool = True, activations: str | None =
     return "i8", ("kvexport's int8 blocks: one f32 scale per token and KV head (0.266x an f32 cache at head_dim 64; "
                   f"u8 keeps a scale and a zero point, 0.281x), their {isa} kernels on this CPU"
                   + (", prompts on AMX tiles (on a 2-core AMX Xeon under bf16 activations: a 4096-token prompt "
-                     "0.94x u8's time, decode steps 1.16x u8's speed there, 0.93x after 512 tokens)"
+                     "0.94x u8's time, decode steps 1.16x u8's speed there, 0.92-0.97x after 512 tokens, 0.88-0.92x after 32)"
                      if amx and u8_on_tiles else
                      " (with AMX, under f32 activations: there u8 decoded 0.83x the i8 cache at 4096 tokens, its "
                      "prompts level)" if amx else "") + "; "
