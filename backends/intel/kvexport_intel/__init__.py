@@ -191,8 +191,7 @@ class IntelBackend(Backend):
         precision = _activations(weights, flags)
         plan = compress.plan(weights, options.group_size, extra["int4_sym"], extra["quantizer"]) \
             if weights in compress.BLOCK_MODES else None
-        picks_int8 = options.kv == "int8" and not options.extra.get("kv_precision")  # the format by head size too
-        kv, kv_why = _build_kv(options, flags, precision, manifest.config.head_dim if picks_int8 else None)
+        kv, kv_why = _build_kv(options, flags, precision, manifest)
         numa_node = _numa_node(extra.get("numa_node"))
         if numa_node is not None:
             numa.read_topology().node(numa_node)  # fail now, not at first load, for a node that does not exist
@@ -456,11 +455,12 @@ def _activations(weights: str, flags: set[str]) -> str:
 
 
 def _build_kv(options: BuildOptions, flags: set[str], activations: str,
-              head_dim: int | None = None) -> tuple[str, str | None]:
+              manifest: Manifest | None = None) -> tuple[str, str | None]:
     """The cache precision a build holds, in OpenVINO's words (or i8), and why where the build chose it: core hands
     --kv in options.kv and keeps --option kv_precision (its alias, which names the int8 format) in options.extra.
     --kv int8 alone is i8 or u8 as kvexport_intel.int8_blocks.int8_format picks for this CPU and the build's
-    `activations` (its inference precision: "fp32" or "bf16") and the model's `head_dim`. Where the build holds
+    `activations` (its inference precision: "fp32" or "bf16") and the model's head size (from `manifest`, read only
+    there; None: the option checks before the export, to which i8 and u8 are alike). Where the build holds
     i8, its op has been compiled (BackendUnavailableError where it cannot be)."""
     named = options.extra.get("kv_precision")
     if named:
@@ -472,6 +472,7 @@ def _build_kv(options: BuildOptions, flags: set[str], activations: str,
     if (options.kv or "fp32") == "int8":
         from kvexport_intel.int8_blocks import int8_format
 
+        head_dim = manifest.config.head_dim if manifest is not None else None
         return int8_format(flags, activations=activations, head_dim=head_dim)  # compiles the op where it picks i8
     return _kv_precision(KV_MODES[options.kv or "fp32"]), None
 

@@ -119,10 +119,11 @@ def int8_format(flags: set[str], compile: bool = True, activations: str | None =
     activations = activations or auto_precision(flags)
     amx = {"amx_tile", "amx_int8", "amx_bf16"} <= flags
     u8_on_tiles = ("amx_bf16" in flags or "amx_int8" in flags) and activations == "bf16"
-    if u8_on_tiles and (not amx or (head_dim or AMX_HEAD_DIMS[0]) not in AMX_HEAD_DIMS):
-        size = f"head_dim {head_dim}" if amx else "this CPU (it lacks one of AMX-TILE, AMX-INT8, AMX-BF16)"
+    size = head_dim or AMX_HEAD_DIMS[0]
+    if u8_on_tiles and (not amx or size not in AMX_HEAD_DIMS):
+        lacking = f"head_dim {head_dim}" if amx else "this CPU (it lacks one of AMX-TILE, AMX-INT8, AMX-BF16)"
         return "u8", ("under bf16 activations OpenVINO's u8 kernel computes prompts on this CPU's AMX tiles, which the "
-                      f"i8 cache's prompt kernel does not for {size} (its AMX form takes head sizes "
+                      f"i8 cache's prompt kernel does not for {lacking} (its AMX form takes head sizes "
                       f"{', '.join(map(str, AMX_HEAD_DIMS))}; on a 2-core AMX Xeon its vector kernels took 1.6x "
                       "u8's time for a 4096-token prompt)" + other)
     cxx = os.environ.get("CXX") or "c++"
@@ -131,7 +132,7 @@ def int8_format(flags: set[str], compile: bool = True, activations: str | None =
     try:
         if compile:
             lib = library()
-            if u8_on_tiles and "prompts: AMX" not in kernels(lib, head_dim or AMX_HEAD_DIMS[0]):
+            if u8_on_tiles and "prompts: AMX" not in kernels(lib, size):
                 return "u8", ("under bf16 activations OpenVINO's u8 kernel computes prompts on this CPU's AMX tiles, "
                               "and the i8 cache's op as compiled here runs no prompt on them (it needs the compiler's "
                               "AMX intrinsics, and Linux 5.16 or later, which grants a process the tiles on request)"

@@ -39,7 +39,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1299,6 +1298,16 @@ void attend_tile_amx(const float* query, float* out, int8_t* kc, int8_t* vc, con
 bool amx_tiles(int64_t D) { return (D == 32 || D == 64 || D == 96 || D == 128) && amx_granted(); }
 #endif
 
+// Whether this shape's prompts take attend_tile_amx (and tiles of QTILE_AMX tokens).
+bool amx_prompts(const Shape& sh) {
+#if I8_AMX
+  return sh.BS == 32 && amx_tiles(sh.D);
+#else
+  (void)sh;
+  return false;
+#endif
+}
+
 RunKernel run_kernel_for(const Shape& sh) {
 #ifdef I8_SIMD
 #if I8_QK_VNNI
@@ -1322,7 +1331,7 @@ RunKernel run_kernel_for(const Shape& sh) {
 
 TileKernel tile_kernel_for(const Shape& sh) {
 #if I8_AMX
-  if (sh.BS == 32 && amx_tiles(sh.D)) switch (sh.D) {
+  if (amx_prompts(sh)) switch (sh.D) {
       case 32: return attend_tile_amx<2>;
       case 64: return attend_tile_amx<4>;
       case 96: return attend_tile_amx<6>;
@@ -1449,11 +1458,7 @@ class Int8PagedAttention : public ov::op::Op {
   // New tokens several a sequence (their rows already in the blocks): tiles of QTILE tokens a KV head on the threads.
   static void prompt(const float* query, float* out, int8_t* kc, int8_t* vc, const Shape& sh, const Seqs& seqs,
                      float scale, int64_t window) {
-#if I8_AMX
-    const int64_t qtile = sh.BS == 32 && amx_tiles(sh.D) ? QTILE_AMX : QTILE;
-#else
-    const int64_t qtile = QTILE;
-#endif
+    const int64_t qtile = amx_prompts(sh) ? QTILE_AMX : QTILE;
     struct Tile {
       int64_t s, t0, t1;
     };
