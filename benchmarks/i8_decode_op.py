@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import openvino as ov
-from kvexport_intel import int8_blocks
+from kvexport_intel import extension, int8_blocks
 
 DRIVER = r'''
 #include "op.cpp"
@@ -129,11 +129,11 @@ def main(argv: list[str]) -> None:
         # the op's class with its decode callable from the driver
         (Path(tmp) / "op.cpp").write_text(int8_blocks.SOURCE.read_text().replace("\n private:", "\n public:"))
         (Path(tmp) / "driver.cpp").write_text(DRIVER)
-        flags = [f for f in int8_blocks.FLAGS if f not in ("-shared", "-fPIC")] + ["-w"] + (["-mno-avx512f"] if avx2 else []) \
+        flags = [f for f in extension.FLAGS if f not in ("-shared", "-fPIC")] + ["-w"] + (["-mno-avx512f"] if avx2 else []) \
             + (list(int8_blocks.VARIANTS["KVEXPORT_I8_NO_AMX"]) if a.no_amx else [])
         exe = Path(tmp) / "driver"
         cxx = os.environ.get("CXX") or "c++"  # the compiler int8_blocks.library() takes
-        subprocess.run([cxx, *flags, str(Path(tmp) / "driver.cpp"), f"-I{include}", f"-I{int8_blocks.SHARED}",
+        subprocess.run([cxx, *flags, str(Path(tmp) / "driver.cpp"), f"-I{include}", f"-I{extension.SHARED}",
                         str(sorted(libs.glob("libopenvino.so*"))[0]), str(sorted(libs.glob("libtbb.so*"))[0]),
                         f"-Wl,-rpath,{libs}", "-o", str(exe)], check=True)
         mode = ["prompt"] if a.prompt else []

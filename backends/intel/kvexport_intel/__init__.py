@@ -62,6 +62,10 @@ OPTIONS = (
            "groups of this many (OpenVINO's DYNAMIC_QUANTIZATION_GROUP_SIZE; default the plugin's own, 32, as "
            "OpenVINO GenAI runs); 0 turns it off (the activations' own precision into the decompressed weights)",
            phase="load"),
+    Option("decode_matmul", "str", "auto", "int8/int4 weights: what computes a decode step's matmuls in the paged "
+           "form: kvexport (kvexport's QGemv over the IR's own compressed weights, AVX512-VNNI; prompts then run a "
+           "second paged form with the plugin's matmuls), openvino (the plugin's), or auto (kvexport where the CPU "
+           "has AVX512-VNNI and a C++ compiler is on PATH)", choices=("auto", "kvexport", "openvino"), phase="load"),
     Option("huge_pages", "bool", True, "place the weights the plugin prepares (its repacked or converted copies, made "
            "at load by one warm-up token) in huge pages", phase="load"),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
@@ -368,11 +372,15 @@ class IntelBackend(Backend):
             # its prompts paged as the engine's are, so that an i8 twin holds i8 blocks (its state would be u8)
             twin.model_path, twin.compile_config = str(xml), twin_config
             twin.paged_prefill_min, twin.paged_split = session.paged_prefill_min, session.paged_split
-            twin.prompt_split = session.prompt_split
+            twin.prompt_split, twin.decode_gemv = session.prompt_split, session.decode_gemv
             twin.state_names, twin.windows = session.state_names, session.windows
             return twin
 
         session.cache_twin = cache_twin
+        from kvexport_intel import gemv
+
+        use, facts["decode_matmul"] = gemv.choose(_given(options, "decode_matmul"), flags, facts["weights"])
+        session.decode_gemv = gemv.library() if use else None
         session.batch_rows = str(options.get("batch_rows") or "paged")
         if paged_min is not None:
             session.paged_prefill_min = paged_min

@@ -8,32 +8,24 @@ int8 values with one f32 scale (68 bytes per 64: 0.266x), through the op `kvexpo
 form (kvexport_intel.paged.to_paged) and takes the same sequence inputs.
 
 The op is an OpenVINO extension library compiled from that one source file the first time an `i8` engine compiles
-its paged form, with the C++ compiler on PATH (`c++`, or $CXX) against the headers the openvino wheel ships, for the
-CPU it runs on (-march=native), and kept under $KVEXPORT_CACHE_DIR (default ~/.cache/kvexport) by a name that
-holds the source's hash, OpenVINO's version and the CPU's flags: about 3 s once. Nothing of it comes from an
-artifact. The state (batches, rings) has no such cache: an `i8` engine's stateful calls hold OpenVINO's u8.
+its paged form (kvexport_intel.extension: about 3 s once). Nothing of it comes from an artifact. The state
+(batches, rings) has no such cache: an `i8` engine's stateful calls hold OpenVINO's u8.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-import kvexport
-from kvexport.doctor import read_cpu_flags
 from kvexport.errors import BackendUnavailableError
+from kvexport_intel.extension import NATIVE, compile_op
 from kvexport_intel.isa import auto_precision
 from kvexport_intel.paged import KEY_CACHE, PA_OP
 
-SOURCE = Path(__file__).parent / "native" / "int8_paged_attention.cpp"
-# the folder of the vector math it shares with kvexport's ONNX Runtime kernels (kvexport/native/simd_math.h)
-SHARED = Path(kvexport.__file__).parent / "native"
+SOURCE = NATIVE / "int8_paged_attention.cpp"
 OP_TYPE = "Int8PagedAttention"
 BLOCK = 32  # tokens a block, as OpenVINO's CPU plugin pages its own caches
 SCALE_BYTES = 4  # each slot's f32 scale, held in its block after the values
@@ -42,9 +34,6 @@ SCALE_BYTES = 4  # each slot's f32 scale, held in its block after the values
 PA_INPUTS, QUERY = 11, 0
 
 
-# the compiler's flags: for this CPU, 512-bit vectors where it has them (GCC's default for some AVX-512 CPUs is 256)
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
-         "-shared", "-fPIC", "-DNDEBUG")
 # builds of the op a process may ask for through its environment, so that the kernels other CPUs run are tested on
 # this one: KVEXPORT_I8_AVX2=1 without AVX-512 (an AVX2 Zen 3's: AVX2 kernels, prompts in int16 pairs),
 # KVEXPORT_I8_PORTABLE=1 without AVX2 (the portable loops alone), KVEXPORT_I8_F32_PROMPTS=1 with every kernel in f32,
@@ -60,39 +49,8 @@ VARIANTS = {"KVEXPORT_I8_AVX2": ("-mno-avx512f",), "KVEXPORT_I8_PORTABLE": ("-mn
 
 def library() -> Path:
     """The op's extension library, compiled here the first time (BackendUnavailableError where it cannot be)."""
-    import openvino as ov
-
-    include = Path(ov.__file__).parent / "include"
-    libs = Path(ov.__file__).parent / "libs"
-    flags = FLAGS + sum((extra for name, extra in VARIANTS.items() if os.environ.get(name) == "1"), ())
-    source = SOURCE.read_bytes() + (SHARED / "simd_math.h").read_bytes()
-    cpu = " ".join(sorted(read_cpu_flags()))
-    key = hashlib.sha256(b" ".join([source, ov.__version__.encode(), cpu.encode(), *(f.encode() for f in flags)]))
-    cache = Path(os.environ.get("KVEXPORT_CACHE_DIR") or Path.home() / ".cache" / "kvexport")
-    lib = cache / f"libkvexport_ov_int8_{key.hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    cxx = os.environ.get("CXX") or "c++"
-    if shutil.which(cxx) is None:
-        raise BackendUnavailableError("the intel target's i8 cache compiles its attention op with a C++ compiler and "
-                                      f"{cxx!r} is not there: install g++ (or set CXX to one), or load "
-                                      "with --option kv_precision=u8")
-    openvino = sorted(libs.glob("libopenvino.so*"))
-    tbb = sorted(libs.glob("libtbb.so*"))
-    if not include.is_dir() or not openvino or not tbb:
-        raise BackendUnavailableError(f"the openvino package at {include.parent} lacks its C++ headers or libraries, "
-                                      "which the i8 cache's op is compiled against: load with --option kv_precision=u8")
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        out = Path(tmp) / lib.name
-        cmd = [cxx, *flags, str(SOURCE), f"-I{include}", f"-I{SHARED}", str(openvino[0]), str(tbb[0]),
-               f"-Wl,-rpath,{libs}", "-o", str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise BackendUnavailableError(f"compiling the i8 cache's attention op failed ({' '.join(cmd)}):\n"
-                                          f"{done.stderr[-2000:]}\nload with --option kv_precision=u8 instead")
-        os.replace(out, lib)  # atomic: another process compiling the same key lands the same file
-    return lib
+    flags = sum((extra for name, extra in VARIANTS.items() if os.environ.get(name) == "1"), ())
+    return compile_op(SOURCE, "int8", "the i8 cache's attention op", "load with --option kv_precision=u8", flags)
 
 
 # the head sizes whose prompts the op computes on AMX tiles where the CPU has them (attend_tile_amx)

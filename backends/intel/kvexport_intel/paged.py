@@ -242,16 +242,19 @@ class PagedRows(Rows):
     bind_one_token_steps = True  # False: every step hands infer() fresh arrays (_one_token_inputs says why not)
 
     def __init__(self, compiled: Any, *, rows: int, max_seq: int, num_layers: int, vocab_size: int,
-                 prompt_compiled: Any = None):
+                 prompt_compiled: Any = None, decode_rows_max: int | None = None):
         """prompt_compiled: another paged form of the same model (its projections cut otherwise: the load option
-        prompt_split) that runs every step of more than one token a row, over the same block caches; None: the
-        steps of prompts run `compiled` too."""
+        prompt_split; or its matmuls the plugin's where `compiled` takes kvexport's QGemv) that runs every step of
+        more than one token a row, over the same block caches; None: the steps of prompts run `compiled` too.
+        decode_rows_max: a step of one token a row for more rows than this runs prompt_compiled too (None: any
+        number runs `compiled`)."""
         import openvino as ov
 
         super().__init__(rows, max_seq)
         self.compiled, self.num_layers = compiled, num_layers
         self.request = compiled.create_infer_request()
         self.prompt_request = None if prompt_compiled is None else prompt_compiled.create_infer_request()
+        self.decode_rows_max = decode_rows_max
         # tokens per block, as the plugin compiled it: (blocks, kv_heads, block, head_dim) for the value cache
         # (a u8 key cache appends its per-block scales along that axis, so the key cache does not say it)
         self.block = int(compiled.input("value_cache.0").get_partial_shape()[2].get_length())
@@ -312,11 +315,12 @@ class PagedRows(Rows):
         for r, h, c in zip(rows, past, counts):
             self._grow(int(r), int(h + c))
         request = self.request
-        if self.bind_one_token_steps and len(ids) == len(rows) and int(counts.max()) == 1:  # a decode step
+        many = self.decode_rows_max is not None and len(rows) > self.decode_rows_max
+        if self.bind_one_token_steps and len(ids) == len(rows) and int(counts.max()) == 1 and not many:  # decode
             self._one_token_inputs(rows, ids, past)
             request.infer(share_outputs=True)
         else:
-            if self.prompt_request is not None and int(counts.max()) > 1:
+            if self.prompt_request is not None and (int(counts.max()) > 1 or many):
                 request = self.prompt_request
             else:
                 self._bound = None  # the fresh arrays replace the bound ones

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,9 @@ class IntelSession(Session):
         # row over the same blocks; paged_split's (the load option's "same"): no second form
         self.prompt_split = "none"
         self._prompt_form: tuple[Any, str | None] | None = None  # (compiled prompt form or None, why not)
+        # the load option decode_matmul, as open_session resolved it: kvexport's QGemv library where the decode
+        # form's compressed matmuls take it (kvexport_intel.gemv; prompts then run a second form), else None
+        self.decode_gemv: Path | None = None
         # set by open_session: the same engine compiled at f32 activations with a given cache precision
         self.cache_twin: Callable[[str], IntelSession] | None = None
 
@@ -187,30 +191,37 @@ class IntelSession(Session):
         one PagedAttention per layer)."""
         with self._lock:
             if self._paged is None:
-                self._paged = self._compile_paged(self.compile_config, self.paged_split)
+                self._paged = self._compile_paged(self.compile_config, self.paged_split, self.decode_gemv)
             return self._paged
 
     def prompt_form(self) -> Any:
         """The paged form that prompts run where prompt_split differs from paged_split (compiled once per session,
         after paged_model), else None: prompts run the decode form. Also None where it does not compile (why in
         facts["prompt_form"]): the decode form then takes the prompts."""
-        if self.prompt_split == self.paged_split:
+        if self.prompt_split == self.paged_split and self.decode_gemv is None:
             return None
         with self._lock:
             if self._prompt_form is None:
                 self._prompt_form = self._compile_paged(self.compile_config, self.prompt_split)
                 why = self._prompt_form[1]
-                self.facts["prompt_form"] = (f"prompts through a second paged form, projections cut: "
-                                             f"{self.prompt_split}" if why is None else f"the decode form's: {why}")
+                kind = ("the plugin's matmuls (decode steps take kvexport's)" if self.decode_gemv is not None
+                        else f"projections cut: {self.prompt_split}")
+                self.facts["prompt_form"] = (f"prompts through a second paged form, {kind}" if why is None
+                                             else f"the decode form's: {why}")
             return self._prompt_form[0]
 
     def _paged_rows(self, compiled: Any, rows: int, max_seq: int) -> Any:
         from kvexport_intel.paged import PagedRows
 
-        return PagedRows(compiled, rows=rows, max_seq=max_seq, num_layers=self.num_layers, vocab_size=self.vocab_size,
-                         prompt_compiled=self.prompt_form())
+        from kvexport_intel.gemv import GEMV_ROWS
 
-    def _compile_paged(self, config: dict[str, Any], split: str) -> tuple[Any, str | None]:
+        return PagedRows(compiled, rows=rows, max_seq=max_seq, num_layers=self.num_layers, vocab_size=self.vocab_size,
+                         prompt_compiled=self.prompt_form(),
+                         decode_rows_max=GEMV_ROWS if self.decode_gemv is not None else None)
+
+    def _compile_paged(self, config: dict[str, Any], split: str, gemv: Path | None = None) -> tuple[Any, str | None]:
+        """A paged form of the engine (to_paged) with `split`'s projections cut, its attention kvexport's i8 op where
+        the cache is i8, its compressed matmuls kvexport's QGemv where `gemv` (that op's library) is given."""
         import openvino as ov
 
         from kvexport_intel.paged import to_paged
@@ -232,6 +243,11 @@ class IntelSession(Session):
             swapped = to_int8_blocks(model, kv_heads=self.kv_heads, head_dim=self.head_dim, lib=lib)
             self.facts["paged_attention"] = f"kvexport's Int8PagedAttention over int8 blocks ({swapped} layers)"
             self.facts["i8_kernels"] = kernels(lib, self.head_dim)
+        if why is None and gemv is not None:
+            from kvexport_intel.gemv import kernel, to_qgemv
+
+            core.add_extension(str(gemv))
+            self.facts["decode_matmuls"] = f"{to_qgemv(model, gemv)} through kvexport's QGemv ({kernel(gemv)})"
         if why is None:
             try:
                 compiled = core.compile_model(model, "CPU", config)

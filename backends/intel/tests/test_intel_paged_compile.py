@@ -22,9 +22,9 @@ def compiles(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     seen: list[dict] = []
     real = IntelSession._compile_paged
 
-    def counted(self: IntelSession, config: dict, split: str) -> tuple:
+    def counted(self: IntelSession, config: dict, split: str, gemv: object = None) -> tuple:
         seen.append(config)
-        return real(self, config, split)
+        return real(self, config, split, gemv)
 
     monkeypatch.setattr(IntelSession, "_compile_paged", counted)
     return seen

@@ -76,25 +76,76 @@ def reference(trained: Path) -> Reference:
     return Reference(trained, MAX_SEQ)
 
 
+# the default model's matmuls kvexport's QGemv takes: 4-bit groups of 128 (its down_proj, K 704, is cut in other
+# groups) and 8-bit rows of a multiple of 64 values, in each of its 4 layers, and the lm_head (8-bit under int4)
+QGEMV_MATMULS = {"int8": 4 * 4 + 1, "int4-g128": 3 * 4 + 1}
+
+
+@pytest.mark.parametrize("decode_matmul", ["kvexport", "openvino"])
 @pytest.mark.parametrize("activations", ["fp32", "as built"])
 @pytest.mark.parametrize("mode", ["int8", "int4-g128"])
-def test_compressed_weights_pass_their_tolerance_row_on_the_trained_model(mode: str, activations: str, builds: _Builds,
+def test_compressed_weights_pass_their_tolerance_row_on_the_trained_model(mode: str, activations: str,
+                                                                          decode_matmul: str, builds: _Builds,
                                                                           trained: Path, reference: Reference) -> None:
     """Judged with f32 activations on every CPU, and as built (bf16 activations, the cache held in bf16) where the
-    CPU has bf16 hardware; there the record, and so the row, is `+kv-bf16`, measured with bf16 activations."""
+    CPU has bf16 hardware; there the record, and so the row, is `+kv-bf16`, measured with bf16 activations. Each
+    with decode steps through kvexport's QGemv (its portable loops on a CPU without AVX512-VNNI) and through the
+    plugin's matmuls."""
     bf16_cpu = isa.has_bf16(isa.read_cpu_flags())
     if activations == "as built" and not bf16_cpu:
         pytest.skip("without AMX-BF16 or AVX512-BF16 the engine is built with f32 activations: the fp32 case")
-    engine = kvexport.load(str(builds[mode]), **({"precision": "fp32"} if activations == "fp32" else {}))
+    engine = kvexport.load(str(builds[mode]), decode_matmul=decode_matmul,
+                           **({"precision": "fp32"} if activations == "fp32" else {}))
     assert engine.session.describe()["precision"] == ("bf16" if activations == "as built" else "fp32")
     report = verify_engine(engine, trained, reference=reference)
+    facts = engine.session.facts
+    if decode_matmul == "kvexport":
+        assert facts["decode_matmuls"].startswith(f"{QGEMV_MATMULS[mode]} through kvexport's QGemv")
+        assert facts["prompt_form"].startswith("prompts through a second paged form, the plugin's matmuls")
+    else:
+        assert "decode_matmuls" not in facts and "prompt_form" not in facts
     t = report.text
-    print(f"intel {mode} ({activations}): top-1 {t['top1_agreement']:.4f}, mean KL {t['mean_kl']:.3g}, max KL "
+    print(f"intel {mode} ({activations}, decode_matmul={decode_matmul}): top-1 {t['top1_agreement']:.4f}, mean KL {t['mean_kl']:.3g}, max KL "
           f"{t['max_kl']:.3g}, ppl {t['ppl_engine']:.4f} vs {t['ppl_reference']:.4f} ({t['ppl_change']:+.3%})")
     assert report.precision == mode + ("+kv-bf16" if bf16_cpu else "") and report.mode == "teacher-forced"
     assert report.passed, report.failures
     assert abs(t["ppl_change"]) <= (0.01 if mode == "int8" else 0.08)  # the issue's bar, under the row's own
     assert t["mean_kl"] > 1e-7  # the weights really were compressed: the engine is not the fp32 one
+
+
+def test_steps_of_more_rows_than_the_decode_matmul_takes_run_the_plugins(builds: _Builds) -> None:
+    """Prompts, and decode steps of more than GEMV_ROWS rows (whose dot products would cost the op more than the
+    plugin's matmuls), run the second paged form over the same blocks; one- and two-row steps run QGemv's."""
+    from kvexport_intel.gemv import GEMV_ROWS
+
+    engine = kvexport.load(str(builds["int4-g128"]), decode_matmul="kvexport")
+    rows = engine.session.batched_rows(3)
+    assert rows.decode_rows_max == GEMV_ROWS == 2
+    calls = {"decode form": 0, "prompt form": 0}
+
+    class Counted:
+        def __init__(self, request: object, name: str):
+            self.request, self.name = request, name
+
+        def infer(self, *args: object, **kwargs: object) -> object:
+            calls[self.name] += 1
+            return self.request.infer(*args, **kwargs)
+
+        def __getattr__(self, attr: str) -> object:
+            return getattr(self.request, attr)
+
+    rows.request, rows.prompt_request = Counted(rows.request, "decode form"), Counted(rows.prompt_request, "prompt form")
+    try:
+        rows.prompts([np.array([5, 6, 7]), np.array([8, 9]), np.array([10, 11, 12, 13])])
+        assert calls == {"decode form": 0, "prompt form": 1}
+        three = rows.decode(np.arange(3), np.array([1, 2, 3])).copy()
+        assert calls == {"decode form": 0, "prompt form": 2}
+        two = rows.decode(np.arange(2), np.array([4, 5])).copy()
+        assert calls == {"decode form": 1, "prompt form": 2}
+        assert three.shape == (3, engine.config.vocab_size) and two.shape == (2, engine.config.vocab_size)
+        assert np.isfinite(three).all() and np.isfinite(two).all()
+    finally:
+        rows.release()
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4-g128"])

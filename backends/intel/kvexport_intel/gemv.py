@@ -1,0 +1,147 @@
+"""The intel target's decode steps through kvexport's own matmul over NNCF's compressed weights.
+
+At batch 1 a decode step reads every weight once, so its time is the weights' bytes over the rate they are read.
+On the 2-core AMX Xeon, OpenVINO 2026.4's CPU plugin read bench-1b's int4 (INT4_ASYM, group 128) weights at ~12
+GB/s in a decode step, about half the two cores' read bandwidth, and its int8 ones at ~16 GB/s (docs/performance.md).
+The op `kvexport.QGemv` (kvexport_intel/native/qgemv.cpp) computes such a matmul from the weights where the IR keeps
+them (u4 or u8 values, u4 or u8 zero points, f16 scales: no copy, no repacking), with AVX512-VNNI dot products over
+activations quantized to int8 per 32 values, as the plugin's own dynamic quantization does.
+
+It replaces the compressed matmuls of the paged form that runs decode steps (PagedRows' request); prompts run a
+second paged form over the same block caches with the plugin's matmuls (its AMX kernels are faster for many
+rows), as do steps of more than GEMV_ROWS rows. The op is compiled like the i8 cache's (kvexport_intel.extension).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvexport.errors import BackendUnavailableError
+from kvexport_intel.extension import NATIVE, compile_op
+
+SOURCE = NATIVE / "qgemv.cpp"
+OP_TYPE = "QGemv"
+# rows a step may have for the decode form to take it: the op's time grows with its rows (each row's dot products
+# are its own), the plugin's barely up to a few rows. On the 2-core AMX Xeon the op took bench-1b's int4 step from
+# ~70 to ~52 ms at one row (kvexport_intel/native/qgemv.cpp's figures); at 3 rows it would compute for ~68 ms.
+GEMV_ROWS = 2
+CHOICES = ("auto", "kvexport", "openvino")
+# a build of the op a process may ask for through its environment, so that the loops other CPUs run are tested on
+# this one: KVEXPORT_QGEMV_PORTABLE=1 without AVX512-VNNI (one build a process: two would register the same op)
+VARIANTS = {"KVEXPORT_QGEMV_PORTABLE": ("-mno-avx512vnni",)}
+
+
+def library() -> Path:
+    """The op's extension library, compiled here the first time (BackendUnavailableError where it cannot be)."""
+    flags = sum((extra for name, extra in VARIANTS.items() if os.environ.get(name) == "1"), ())
+    return compile_op(SOURCE, "qgemv", "kvexport's decode matmul (QGemv)",
+                      "load with --option decode_matmul=openvino", flags)
+
+
+def kernel(lib: Path) -> str:
+    """What the library computes with: "AVX512-VNNI" or "portable" (as compiled for this CPU)."""
+    said = ctypes.CDLL(str(lib)).kvexport_qgemv_kernel
+    said.restype = ctypes.c_char_p
+    return said().decode()
+
+
+def choose(asked: str | None, flags: set[str], weights: str | None) -> tuple[bool, str]:
+    """Whether the decode form takes kvexport's matmul, and why: `asked` the load option decode_matmul (None: auto),
+    `flags` this CPU's, `weights` the artifact's weight dtype (int8, int4, or another)."""
+    asked = asked or "auto"
+    if asked not in CHOICES:
+        from kvexport.errors import InputError
+
+        raise InputError(f"decode_matmul must be one of {', '.join(CHOICES)}, not {asked!r}")
+    if asked == "openvino":
+        return False, "decode_matmul=openvino was asked for: the plugin's matmuls"
+    if weights not in ("int8", "int4"):
+        return False, f"{weights} weights: the plugin's matmuls (kvexport's decode matmul takes int8/int4 weights)"
+    if asked == "auto" and not {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return False, ("this CPU lacks AVX512-VNNI, which kvexport's decode matmul is written for: the plugin's "
+                       "matmuls (decode_matmul=kvexport runs its portable loops)")
+    try:
+        lib = library()
+    except BackendUnavailableError as e:
+        if asked == "kvexport":
+            raise
+        return False, f"kvexport's decode matmul cannot be compiled here ({e}): the plugin's matmuls"
+    return True, f"kvexport's QGemv ({kernel(lib)})"
+
+
+def _bytes(node: Any) -> Any:
+    """A u8 Constant over a Constant's bytes (the IR's own memory, not a copy)."""
+    import openvino as ov
+
+    raw = np.ascontiguousarray(node.get_data()).view(np.uint8).reshape(-1)
+    # the view keeps the original constant's memory alive (numpy's base chain) as long as the new one lives
+    return ov.op.Constant(ov.Tensor(raw, [raw.size], ov.Type.u8), shared_memory=True).output(0)
+
+
+def compressed_weight(matmul: Any) -> tuple[Any, Any, Any, int, int, int, int] | None:
+    """(values, zero points, scales, bits, N, K, group) of a MatMul X @ W^T whose W is NNCF's asymmetric
+    decompression (Convert(values) - Convert(zero points)) * scales, reshaped from groups and converted to f32 as
+    the IR holds it; None for any other weight, or one the op does not take (4 bits: groups a multiple of 128)."""
+    import openvino as ov
+
+    attrs = matmul.get_attributes()
+    if attrs.get("transpose_a") or not attrs.get("transpose_b"):
+        return None
+    node = matmul.input_value(1).get_node()
+    for skip in ("Convert", "Reshape"):
+        if node.get_type_name() == skip:
+            node = node.input_value(0).get_node()
+    if node.get_type_name() != "Multiply":
+        return None
+    sub, scales = node.input_value(0).get_node(), node.input_value(1).get_node()
+    if sub.get_type_name() != "Subtract" or scales.get_type_name() != "Constant":
+        return None
+    if scales.get_element_type() not in (ov.Type.f16, ov.Type.f32):
+        return None
+    cw, cz = sub.input_value(0).get_node(), sub.input_value(1).get_node()
+    if cw.get_type_name() != "Convert" or cz.get_type_name() != "Convert":
+        return None
+    w, z = cw.input_value(0).get_node(), cz.input_value(0).get_node()
+    if w.get_type_name() != "Constant" or z.get_type_name() != "Constant":
+        return None
+    shape, et = list(w.get_output_shape(0)), w.get_element_type()
+    if et == ov.Type.u4 and len(shape) == 3 and z.get_element_type() == ov.Type.u4:
+        n, k, group, bits = shape[0], shape[1] * shape[2], shape[2], 4
+        if group % 128:
+            return None
+    elif et == ov.Type.u8 and len(shape) == 2 and z.get_element_type() == ov.Type.u8:
+        n, k, group, bits = shape[0], shape[1], shape[1], 8
+    else:
+        return None
+    groups = k // group
+    if k % (128 if bits == 4 else 64) or int(np.prod(z.get_output_shape(0))) != n * groups or \
+            int(np.prod(scales.get_output_shape(0))) != n * groups:
+        return None
+    return w, z, scales, bits, n, k, group
+
+
+def to_qgemv(model: Any, lib: Path) -> int:
+    """Replace every MatMul over a compressed weight the op takes (compressed_weight) by kvexport's QGemv over the
+    same constants' bytes, in place; returns how many were replaced."""
+    from openvino.utils.node_factory import NodeFactory
+
+    factory = NodeFactory()
+    factory.add_extension(str(lib))
+    done = 0
+    for matmul in [op for op in model.get_ordered_ops() if op.get_type_name() == "MatMul"]:
+        found = compressed_weight(matmul)
+        if found is None:
+            continue
+        w, z, scales, bits, n, k, group = found
+        op = factory.create(OP_TYPE, [matmul.input_value(0), _bytes(w), _bytes(z), scales.output(0)],
+                            {"n": n, "k": k, "group": group, "bits": bits})
+        op.set_friendly_name(matmul.get_friendly_name())
+        matmul.output(0).replace(op.output(0))
+        done += 1
+    if done:
+        model.validate_nodes_and_infer_types()
+    return done

@@ -1,0 +1,343 @@
+// kvexport.QGemv: an OpenVINO extension op, Y[..., N] = X[..., K] @ dequant(W)^T over the weights NNCF compresses
+// asymmetrically, read where OpenVINO's IR keeps them (no copy, no repacking):
+//   bits 4: W u4 [N, K / group, group], zero points u4 [N, K / group, 1], scales [N, K / group, 1];
+//   bits 8: W u8 [N, K], zero points u8 [N, 1], scales [N, 1] (one group a row: INT8_ASYM).
+// The op takes the bytes as u8 tensors (two 4-bit values a byte, the even index in the low nibble, as the IR packs
+// them) and the scales as f16 or f32. kvexport_intel.gemv builds the decode form's graph with it where the engine's
+// weights are compressed so; prompts keep OpenVINO's FullyConnected (its AMX kernels).
+//
+// Why: at batch 1 a decode step streams every weight once. On the 2-core AMX Xeon the plugin's 4-bit kernel read
+// bench-1b's int4 weights at ~12 GB/s (docs/performance.md), below the memory's rate, while kvexport's own 4-bit
+// kernel for ONNX Runtime (kvexport/native/qmatmul.c) reads at ~23 GB/s. The dot products here are the same kind:
+// activations quantized to int8 per 32-block (amax / 127, as OpenVINO's dynamic quantization and MLAS do), weights
+// as unsigned bytes, one VNNI dpbusd per 64 bytes of a row, the zero point taken off through each block's sum of
+// the quantized activations:  sum_k s_w (w_k - z) s_a q_k = s_w (sum_k w_k s_a q_k - z sum_k s_a q_k).
+// A 4-bit row's 64 bytes hold 128 values; their low nibbles (even k) and high nibbles (odd k) each meet a copy of
+// the activations laid out to match (ActRow), so that a 32-bit lane sums 4 products of the same 32-block.
+//
+// Rows are split over OpenVINO's threads (tbb::parallel_for in the plugin's arena); every row of X meets a block of
+// ROWS weight rows while they are in cache, so a few rows of X read the weights once.
+#include <tbb/parallel_for.h>
+#include <tbb/partitioner.h>
+#include <tbb/task_arena.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <immintrin.h>
+
+#include <openvino/core/extension.hpp>
+#include <openvino/core/op_extension.hpp>
+#include <openvino/op/op.hpp>
+
+namespace {
+
+constexpr int64_t QB = 32;    // activations' quantization block
+constexpr int64_t ROWS = 64;  // weight rows a task takes from one activation row before the next row's turn
+// runs of rows a thread: each a long sequential stream, a few a thread so that a late thread's share is taken up
+// (on the 2-core AMX Xeon, 8192 x 2048 int4: 14.1 GB/s with one run a thread, 16.0 with 4)
+constexpr int64_t PIECES = 4;
+// bytes ahead of the row's stream to prefetch: a weight row is 1 KB at K 2048, and the hardware's prefetchers stop
+// at every 4 KB page (one thread over 1 GB of int4 rows: 8.7 GB/s without, 9.6 with 1 KB, 18.9 with 2 KB on two)
+constexpr int64_t PF = 2048;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QGEMV_VNNI 1
+#define QGEMV_KERNEL "AVX512-VNNI"
+#else
+#define QGEMV_VNNI 0
+#define QGEMV_KERNEL "portable"
+#endif
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      uint32_t m = man;
+      do {
+        e++;
+        m <<= 1;
+      } while (!(m & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One row of X, quantized per 32-block and laid out for the kernels.
+struct ActRow {
+  std::vector<int8_t> q;   // bits 8: q[k]; bits 4: per 128-chunk c, 64 bytes of even k then 64 of odd k (lane order)
+  std::vector<float> sa;   // per lane of each 64-byte chunk: the scale of the 32-block it sums (16 a chunk)
+  std::vector<float> qsa;  // bits 4: per lane, the sum of its 8 quantized values times that scale (16 a chunk; the
+                           // portable form's zero-point term)
+  float total = 0.f;       // bits 8: sum over k of s_a q_k
+  std::vector<float> gsum;  // bits 4: per weight group, the sum over its k of s_a q_k
+};
+
+void quantize(const float* x, int64_t K, int64_t group, int bits, ActRow& a) {
+  std::vector<int8_t> q(K);
+  std::vector<float> s(K / QB);
+  for (int64_t b = 0; b < K / QB; b++) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < QB; i++) amax = std::max(amax, std::fabs(x[b * QB + i]));  // a NaN is left out
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    s[b] = amax / 127.f;
+    for (int64_t i = 0; i < QB; i++)
+      q[b * QB + i] = (int8_t)std::max(-127.f, std::min(127.f, std::nearbyint(x[b * QB + i] * inv)));
+  }
+  if (bits == 8) {
+    a.q = q;
+    a.sa.resize(K / 64 * 16);
+    a.total = 0.f;
+    for (int64_t c = 0; c < K / 64; c++)
+      for (int64_t j = 0; j < 16; j++) a.sa[c * 16 + j] = s[(c * 64 + 4 * j) / QB];
+    for (int64_t k = 0; k < K; k++) a.total += s[k / QB] * q[k];
+    return;
+  }
+  const int64_t chunks = K / 128;
+  a.q.resize(K);
+  a.sa.resize(chunks * 16);
+  a.qsa.resize(chunks * 16);
+  for (int64_t c = 0; c < chunks; c++)
+    for (int64_t j = 0; j < 16; j++) {
+      int32_t sum = 0;
+      for (int64_t t = 0; t < 4; t++) {
+        const int64_t k = c * 128 + 8 * j + 2 * t;
+        a.q[c * 128 + 4 * j + t] = q[k];           // meets the low nibbles
+        a.q[c * 128 + 64 + 4 * j + t] = q[k + 1];  // the high nibbles
+        sum += q[k] + q[k + 1];
+      }
+      const float sc = s[(c * 128 + 8 * j) / QB];
+      a.sa[c * 16 + j] = sc;
+      a.qsa[c * 16 + j] = sc * (float)sum;
+    }
+  a.gsum.assign(K / group, 0.f);
+  for (int64_t c = 0; c < chunks; c++)
+    for (int64_t j = 0; j < 16; j++) a.gsum[c * 128 / group] += a.qsa[c * 16 + j];
+}
+
+struct Weights {
+  const uint8_t* w;
+  const uint8_t* zp;
+  const void* scale;
+  bool scale_f16;
+  int64_t N, K, group, bits;
+
+  float s(int64_t i) const {
+    return scale_f16 ? half_to_float(static_cast<const uint16_t*>(scale)[i]) : static_cast<const float*>(scale)[i];
+  }
+  int z(int64_t i) const { return bits == 8 ? zp[i] : (zp[i / 2] >> (4 * (i & 1))) & 0xf; }
+};
+
+// Row n of the weights against one activation row: the portable form (the vector kernels' reference).
+float row_portable(const Weights& W, const ActRow& a, int64_t n) {
+  if (W.bits == 8) {
+    const uint8_t* w = W.w + n * W.K;
+    float acc = 0.f;
+    for (int64_t c = 0; c < W.K / 64; c++)
+      for (int64_t j = 0; j < 16; j++) {
+        int32_t d = 0;
+        for (int64_t t = 0; t < 4; t++) d += (int32_t)w[c * 64 + 4 * j + t] * a.q[c * 64 + 4 * j + t];
+        acc += (float)d * a.sa[c * 16 + j];
+      }
+    return W.s(n) * (acc - (float)W.z(n) * a.total);
+  }
+  const uint8_t* w = W.w + n * W.K / 2;
+  const int64_t G = W.K / W.group, per = W.group / 128;
+  float acc = 0.f;
+  for (int64_t g = 0; g < G; g++) {
+    float gacc = 0.f;
+    const float z = (float)W.z(n * G + g);
+    for (int64_t c = g * per; c < (g + 1) * per; c++)
+      for (int64_t j = 0; j < 16; j++) {
+        int32_t d = 0;
+        for (int64_t t = 0; t < 4; t++) {
+          const uint8_t byte = w[c * 64 + 4 * j + t];
+          d += (int32_t)(byte & 0xf) * a.q[c * 128 + 4 * j + t] + (int32_t)(byte >> 4) * a.q[c * 128 + 64 + 4 * j + t];
+        }
+        gacc += (float)d * a.sa[c * 16 + j] - z * a.qsa[c * 16 + j];
+      }
+    acc += W.s(n * G + g) * gacc;
+  }
+  return acc;
+}
+
+#if QGEMV_VNNI
+// Row n of 8-bit weights (one group a row) against one activation row: a dpbusd per 64 bytes, its int32 sums scaled
+// per 32-block of activations; the zero point's term once a row (ActRow::total).
+float row_vnni8(const Weights& W, const ActRow& a, int64_t n) {
+  const uint8_t* w = W.w + n * W.K;
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  const int64_t chunks = W.K / 64;
+  int64_t c = 0;
+  for (; c + 1 < chunks; c += 2) {
+    _mm_prefetch((const char*)(w + c * 64 + PF), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + c * 64 + 64 + PF), _MM_HINT_T0);
+    const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w + c * 64),
+                                           _mm512_loadu_si512(a.q.data() + c * 64));
+    const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w + c * 64 + 64),
+                                           _mm512_loadu_si512(a.q.data() + c * 64 + 64));
+    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_loadu_ps(a.sa.data() + c * 16), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_loadu_ps(a.sa.data() + c * 16 + 16), acc1);
+  }
+  for (; c < chunks; c++) {
+    const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w + c * 64),
+                                           _mm512_loadu_si512(a.q.data() + c * 64));
+    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_loadu_ps(a.sa.data() + c * 16), acc0);
+  }
+  return W.s(n) * (_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) - (float)W.z(n) * a.total);
+}
+
+// Row n of 4-bit weights against one activation row. Per 64 bytes (128 values): two dpbusd, their int32 sums
+// scaled per 32-block of activations; each group's sum scaled by its weight scale into one of two accumulators (in
+// turn, so that no chain of dependent FMAs paces the loop); the zero points' term summed in scalars, per group:
+// s_w z sum_k s_a q_k over the group (ActRow::gsum). One sequential stream a thread, prefetched PF bytes ahead.
+float row_vnni4(const Weights& W, const ActRow& a, int64_t n) {
+  const int64_t G = W.K / W.group, per = W.group / 128, row_bytes = W.K / 2;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const uint8_t* w = W.w + n * row_bytes;
+  const int8_t* q = a.q.data();
+  const float* sa = a.sa.data();
+  auto group = [&](int64_t g) {  // the group's sum, scaled per 32-block of activations
+    __m512 gacc = _mm512_setzero_ps();
+    for (int64_t c = g * per; c < (g + 1) * per; c++) {
+      const __m512i v = _mm512_loadu_si512(w + c * 64);
+      _mm_prefetch((const char*)(w + c * 64 + PF), _MM_HINT_T0);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                                _mm512_loadu_si512(q + c * 128)),
+                                            hi, _mm512_loadu_si512(q + c * 128 + 64));
+      gacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(sa + c * 16), gacc);
+    }
+    return gacc;
+  };
+  auto scale = [&](int64_t i) {
+    return W.scale_f16 ? _cvtsh_ss(static_cast<const uint16_t*>(W.scale)[i]) : static_cast<const float*>(W.scale)[i];
+  };
+  auto zero = [&](int64_t i) { return (float)((W.zp[i >> 1] >> (4 * (i & 1))) & 0xf); };
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  float z0 = 0.f, z1 = 0.f;
+  int64_t g = 0;
+  for (; g + 1 < G; g += 2) {
+    const int64_t i = n * G + g;
+    const float s0 = scale(i), s1 = scale(i + 1);
+    acc0 = _mm512_fmadd_ps(group(g), _mm512_set1_ps(s0), acc0);
+    acc1 = _mm512_fmadd_ps(group(g + 1), _mm512_set1_ps(s1), acc1);
+    z0 += s0 * zero(i) * a.gsum[g];
+    z1 += s1 * zero(i + 1) * a.gsum[g + 1];
+  }
+  if (g < G) {
+    const float s0 = scale(n * G + g);
+    acc0 = _mm512_fmadd_ps(group(g), _mm512_set1_ps(s0), acc0);
+    z0 += s0 * zero(n * G + g) * a.gsum[g];
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) - (z0 + z1);
+}
+#endif
+
+class QGemv : public ov::op::Op {
+ public:
+  OPENVINO_OP("QGemv", "kvexport");
+
+  QGemv() = default;
+  QGemv(const ov::OutputVector& args, int64_t n, int64_t k, int64_t group, int64_t bits)
+      : Op(args), n_(n), k_(k), group_(group), bits_(bits) {
+    constructor_validate_and_infer_types();
+  }
+
+  void validate_and_infer_types() override {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 4, "QGemv takes 4 inputs, got ", get_input_size());
+    NODE_VALIDATION_CHECK(this, bits_ == 4 || bits_ == 8, "bits must be 4 or 8");
+    NODE_VALIDATION_CHECK(this, n_ > 0 && k_ > 0 && k_ % (bits_ == 4 ? 128 : 64) == 0,
+                          "K must be a positive multiple of 128 (4 bits) or 64 (8 bits)");
+    NODE_VALIDATION_CHECK(this, bits_ == 8 ? group_ == k_ : (group_ % 128 == 0 && k_ % group_ == 0),
+                          "4 bits: the group must be a multiple of 128 dividing K; 8 bits: one group a row");
+    for (size_t i : {1, 2})
+      NODE_VALIDATION_CHECK(this, get_input_element_type(i) == ov::element::u8, "weights and zero points are u8 bytes");
+    const auto st = get_input_element_type(3);
+    NODE_VALIDATION_CHECK(this, st == ov::element::f16 || st == ov::element::f32, "scales are f16 or f32");
+    auto shape = get_input_partial_shape(0);
+    NODE_VALIDATION_CHECK(this, shape.rank().is_static() && shape.rank().get_length() >= 1, "X needs a rank");
+    NODE_VALIDATION_CHECK(this, shape[shape.size() - 1].compatible(k_), "X's last dimension must be K");
+    shape[shape.size() - 1] = n_;
+    set_output_type(0, ov::element::f32, shape);
+  }
+
+  std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+    return std::make_shared<QGemv>(args, n_, k_, group_, bits_);
+  }
+
+  bool visit_attributes(ov::AttributeVisitor& v) override {
+    v.on_attribute("n", n_);
+    v.on_attribute("k", k_);
+    v.on_attribute("group", group_);
+    v.on_attribute("bits", bits_);
+    return true;
+  }
+
+  bool has_evaluate() const override { return true; }
+
+  bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+    const auto& xt = inputs[0];
+    const int64_t K = k_, N = n_, G = K / group_;
+    const int64_t M = (int64_t)xt.get_size() / K;
+    if ((int64_t)xt.get_size() != M * K || xt.get_element_type() != ov::element::f32)
+      OPENVINO_THROW("QGemv: X must be f32 with last dimension ", K);
+    if ((int64_t)inputs[1].get_byte_size() != N * K * bits_ / 8 ||
+        (int64_t)inputs[2].get_byte_size() != (N * G * bits_ + 7) / 8 || (int64_t)inputs[3].get_size() != N * G)
+      OPENVINO_THROW("QGemv: the weights, zero points or scales do not hold N x K values in groups of ", group_);
+    auto oshape = xt.get_shape();
+    oshape.back() = N;
+    outputs[0].set_shape(oshape);
+    const Weights W{static_cast<const uint8_t*>(inputs[1].data()), static_cast<const uint8_t*>(inputs[2].data()),
+                    inputs[3].data(), inputs[3].get_element_type() == ov::element::f16, N, K, group_, bits_};
+    const float* x = xt.data<const float>();
+    float* y = outputs[0].data<float>();
+    std::vector<ActRow> acts(M);
+    if (M < 4) {  // a decode step's row or a few: not worth waking the other threads
+      for (int64_t m = 0; m < M; m++) quantize(x + m * K, K, group_, (int)bits_, acts[m]);
+    } else {
+      tbb::parallel_for(int64_t(0), M, [&](int64_t m) { quantize(x + m * K, K, group_, (int)bits_, acts[m]); });
+    }
+    // one contiguous run of rows a thread: one long stream each, which the prefetchers follow
+    const int64_t pieces = std::max(1, tbb::this_task_arena::max_concurrency()) * PIECES;
+    const int64_t units = (N + 3) / 4;
+    tbb::parallel_for(int64_t(0), pieces, [&](int64_t t) {
+      const int64_t n0 = std::min(N, units * t / pieces * 4), n1 = std::min(N, units * (t + 1) / pieces * 4);
+      for (int64_t b = n0; b < n1; b += ROWS)
+        for (int64_t m = 0; m < M; m++) rows(W, acts[m], b, std::min(n1, b + ROWS), y + m * N);
+    }, tbb::simple_partitioner());
+    return true;
+  }
+
+  static void rows(const Weights& W, const ActRow& a, int64_t n0, int64_t n1, float* y) {
+    int64_t n = n0;
+#if QGEMV_VNNI
+    for (; n < n1; n++) y[n] = W.bits == 8 ? row_vnni8(W, a, n) : row_vnni4(W, a, n);
+#else
+    for (; n < n1; n++) y[n] = row_portable(W, a, n);
+#endif
+  }
+
+  int64_t n_ = 0, k_ = 0, group_ = 0, bits_ = 4;
+};
+
+}  // namespace
+
+// What the library's kernels compute with, for kvexport_intel.gemv.
+extern "C" const char* kvexport_qgemv_kernel() { return QGEMV_KERNEL; }
+
+OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<QGemv>>()}));

@@ -1,0 +1,146 @@
+"""kvexport's decode matmul for the intel target (kvexport_intel.gemv, native/qgemv.cpp): the op's arithmetic
+against a numpy account of it, the graph rewrite over NNCF's compressed weights, and engines that take it on the
+trained default model (quality, routing of prompts and of steps of many rows to the plugin's matmuls)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("openvino", reason="the intel target needs openvino (pip install 'kvexport[intel]')")
+
+from kvexport.errors import BackendUnavailableError, InputError  # noqa: E402
+from kvexport_intel import gemv  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def op_lib() -> Path:
+    try:
+        return gemv.library()
+    except BackendUnavailableError as e:
+        pytest.skip(f"the op cannot be compiled here: {e}")
+
+
+def _pack4(values: np.ndarray) -> np.ndarray:
+    """4-bit values (any shape, an even count) as the IR packs them: the even index in the low nibble."""
+    flat = values.reshape(-1).astype(np.uint8)
+    return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
+
+
+def _account(x: np.ndarray, w: np.ndarray, z: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """What the op computes, in float64: X quantized to int8 per 32 values (amax / 127, rounded to nearest even,
+    clipped to +-127), times (w - z) * s per group (w (N, K), z and s (N, groups))."""
+    rows, K = x.shape
+    blocks = x.reshape(rows, K // 32, 32).astype(np.float64)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, 127.0 / np.where(amax > 0, amax, 1), 0.0)
+    q = np.clip(np.rint((blocks.astype(np.float32) * inv.astype(np.float32)).astype(np.float64)), -127, 127)
+    xq = (q * (amax / 127.0)).reshape(rows, K)
+    groups = z.shape[1]
+    dq = (w.reshape(w.shape[0], groups, -1).astype(np.float64) - z[..., None]) * s[..., None].astype(np.float64)
+    return xq @ dq.reshape(w.shape[0], K).T
+
+
+def _run_op(op_lib: Path, x: np.ndarray, w_bytes: np.ndarray, z_bytes: np.ndarray, scales: np.ndarray, *, n: int,
+            k: int, group: int, bits: int) -> np.ndarray:
+    import openvino as ov
+    import openvino.opset13 as opset
+    from openvino.utils.node_factory import NodeFactory
+
+    factory = NodeFactory()
+    factory.add_extension(str(op_lib))
+    core = ov.Core()
+    core.add_extension(str(op_lib))
+    param = opset.parameter([-1, -1, k], ov.Type.f32, name="x")
+    op = factory.create(gemv.OP_TYPE, [param.output(0), opset.constant(w_bytes).output(0),
+                                       opset.constant(z_bytes).output(0), opset.constant(scales).output(0)],
+                        {"n": n, "k": k, "group": group, "bits": bits})
+    compiled = core.compile_model(ov.Model([op.output(0)], [param]), "CPU",
+                                  {"INFERENCE_NUM_THREADS": 2, "INFERENCE_PRECISION_HINT": "f32"})
+    return compiled(x[None])[0][0]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])  # 5: the activations quantized over the threads
+@pytest.mark.parametrize("case", ["int4-g128", "int4-g256-f32-scales", "int8"])
+def test_op_matches_its_arithmetic(op_lib: Path, case: str, rows: int) -> None:
+    rng = np.random.default_rng(7)
+    bits = 8 if case == "int8" else 4
+    n, k = (37, 384) if bits == 8 else (41, 512)  # row counts off every multiple the kernels group by
+    group = k if bits == 8 else (256 if "g256" in case else 128)
+    groups = k // group
+    w = rng.integers(0, 2 ** bits, (n, k))
+    z = rng.integers(0, 2 ** bits, (n, groups))
+    s = (rng.random((n, groups)) * 0.02 + 0.001).astype(np.float32 if "f32" in case else np.float16)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    if bits == 4:
+        w_bytes, z_bytes = _pack4(w), _pack4(np.concatenate([z.reshape(-1), [0]]) if z.size % 2 else z)
+    else:
+        w_bytes, z_bytes = w.astype(np.uint8).reshape(-1), z.astype(np.uint8).reshape(-1)
+    y = _run_op(op_lib, x, w_bytes, z_bytes, s.reshape(-1), n=n, k=k, group=group, bits=bits)
+    want = _account(x, w, z, s.astype(np.float32))
+    assert y.shape == (rows, n)
+    np.testing.assert_allclose(y, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    # and it is the matmul it stands for: int8 activations cost ~1% of its scale
+    exact = x.astype(np.float64) @ (((w.reshape(n, groups, -1) - z[..., None]) * s.astype(np.float64)[..., None])
+                                    .reshape(n, k)).T
+    assert np.abs(y - exact).max() < 0.03 * np.abs(exact).max()
+
+
+def test_op_refuses_inputs_that_do_not_hold_its_weights(op_lib: Path) -> None:
+    w = np.zeros(40 * 256 // 2, np.uint8)
+    with pytest.raises(RuntimeError, match="do not hold N x K values"):
+        _run_op(op_lib, np.zeros((1, 256), np.float32), w[:-1], np.zeros(40, np.uint8), np.ones(80, np.float16),
+                n=40, k=256, group=128, bits=4)
+    with pytest.raises(Exception, match="multiple of 128"):
+        _run_op(op_lib, np.zeros((1, 192), np.float32), w, np.zeros(40, np.uint8), np.ones(80, np.float16),
+                n=40, k=192, group=64, bits=4)
+
+
+def test_portable_build_computes_as_this_one_does(op_lib: Path) -> None:
+    """The op tests above in a process whose op is compiled without AVX512-VNNI: the portable loops a CPU without
+    it runs where decode_matmul=kvexport is asked for (two builds of the op cannot share a process)."""
+    if any(os.environ.get(name) == "1" for name in gemv.VARIANTS):
+        pytest.skip("this process already runs another build of the op")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "op_"],
+                          env={**os.environ, "KVEXPORT_QGEMV_PORTABLE": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, \
+        done.stdout[-3000:] + done.stderr[-3000:]
+    if os.environ.get("KVEXPORT_QGEMV_PORTABLE") != "1":
+        assert gemv.kernel(op_lib) == ("AVX512-VNNI" if "avx512_vnni" in _flags() else "portable")
+
+
+def _flags() -> set[str]:
+    from kvexport.doctor import read_cpu_flags
+
+    return read_cpu_flags()
+
+
+def test_choice_follows_the_option_the_weights_and_the_cpu(op_lib: Path) -> None:
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"}
+    assert gemv.choose("openvino", vnni, "int4") == (False, "decode_matmul=openvino was asked for: the plugin's matmuls")
+    use, why = gemv.choose(None, vnni, "fp32")
+    assert not use and why.startswith("fp32 weights")
+    use, why = gemv.choose("auto", {"avx2", "fma"}, "int4")
+    assert not use and "lacks AVX512-VNNI" in why
+    use, why = gemv.choose("kvexport", {"avx2", "fma"}, "int8")  # asked for: the portable loops where no VNNI
+    assert use and why.startswith("kvexport's QGemv")
+    assert gemv.choose(None, vnni, "int4")[0]
+    with pytest.raises(InputError, match="decode_matmul must be one of"):
+        gemv.choose("mlas", vnni, "int4")
+
+
+def test_without_a_compiler_auto_keeps_the_plugins_matmuls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"}
+    use, why = gemv.choose(None, vnni, "int4")
+    assert not use and "cannot be compiled here" in why and "decode_matmul=openvino" in why
+    with pytest.raises(BackendUnavailableError, match="decode_matmul=openvino"):
+        gemv.choose("kvexport", vnni, "int4")
+    assert not list(tmp_path.glob("*.so"))
