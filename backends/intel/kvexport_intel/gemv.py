@@ -85,7 +85,8 @@ def _bytes(node: Any) -> Any:
 def compressed_weight(matmul: Any) -> tuple[Any, Any, Any, int, int, int, int] | None:
     """(values, zero points, scales, bits, N, K, group) of a MatMul X @ W^T whose W is NNCF's asymmetric
     decompression (Convert(values) - Convert(zero points)) * scales, reshaped from groups and converted to f32 as
-    the IR holds it; None for any other weight, or one the op does not take (4 bits: groups a multiple of 128)."""
+    the IR holds it; None for any other weight, or one the op does not take (4 bits: groups of 32, 64 or a multiple of 128, over a multiple of 128
+    inputs)."""
     import openvino as ov
 
     attrs = matmul.get_attributes()
@@ -111,7 +112,7 @@ def compressed_weight(matmul: Any) -> tuple[Any, Any, Any, int, int, int, int] |
     shape, et = list(w.get_output_shape(0)), w.get_element_type()
     if et == ov.Type.u4 and len(shape) == 3 and z.get_element_type() == ov.Type.u4:
         n, k, group, bits = shape[0], shape[1] * shape[2], shape[2], 4
-        if group % 128:
+        if group not in (32, 64) and group % 128:
             return None
     elif et == ov.Type.u8 and len(shape) == 2 and z.get_element_type() == ov.Type.u8:
         n, k, group, bits = shape[0], shape[1], shape[1], 8

@@ -65,12 +65,12 @@ def _run_op(op_lib: Path, x: np.ndarray, w_bytes: np.ndarray, z_bytes: np.ndarra
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5])  # 5: the activations quantized over the threads
-@pytest.mark.parametrize("case", ["int4-g128", "int4-g256-f32-scales", "int8"])
+@pytest.mark.parametrize("case", ["int4-g128", "int4-g256-f32-scales", "int4-g32", "int4-g64-f32-scales", "int8"])
 def test_op_matches_its_arithmetic(op_lib: Path, case: str, rows: int) -> None:
     rng = np.random.default_rng(7)
     bits = 8 if case == "int8" else 4
     n, k = (37, 384) if bits == 8 else (41, 512)  # row counts off every multiple the kernels group by
-    group = k if bits == 8 else (256 if "g256" in case else 128)
+    group = k if bits == 8 else int(case.split("-")[1][1:])
     groups = k // group
     w = rng.integers(0, 2 ** bits, (n, k))
     z = rng.integers(0, 2 ** bits, (n, groups))

@@ -29,6 +29,7 @@ MODES = {
     "fp32": BuildOptions(weights="fp32"),
     "int8": BuildOptions(weights="int8"),
     "int4-g128": BuildOptions(weights="int4"),
+    "int4-g32": BuildOptions(weights="int4", group_size=32),
     "int4-g128+gptq": BuildOptions(weights="int4", extra={"quantizer": "gptq"}),
 }
 
@@ -76,14 +77,14 @@ def reference(trained: Path) -> Reference:
     return Reference(trained, MAX_SEQ)
 
 
-# the default model's matmuls kvexport's QGemv takes: 4-bit groups of 128 (its down_proj, K 704, is cut in other
-# groups) and 8-bit rows of a multiple of 64 values, in each of its 4 layers, and the lm_head (8-bit under int4)
-QGEMV_MATMULS = {"int8": 4 * 4 + 1, "int4-g128": 3 * 4 + 1}
+# the default model's matmuls kvexport's QGemv takes: 4-bit ones over a multiple of 128 inputs (not its down_proj,
+# K 704) and 8-bit rows of a multiple of 64 values, in each of its 4 layers, and the lm_head (8-bit under int4)
+QGEMV_MATMULS = {"int8": 4 * 4 + 1, "int4-g128": 3 * 4 + 1, "int4-g32": 3 * 4 + 1}
 
 
 @pytest.mark.parametrize("decode_matmul", ["kvexport", "openvino"])
 @pytest.mark.parametrize("activations", ["fp32", "as built"])
-@pytest.mark.parametrize("mode", ["int8", "int4-g128"])
+@pytest.mark.parametrize("mode", ["int8", "int4-g128", "int4-g32"])
 def test_compressed_weights_pass_their_tolerance_row_on_the_trained_model(mode: str, activations: str,
                                                                           decode_matmul: str, builds: _Builds,
                                                                           trained: Path, reference: Reference) -> None:

@@ -126,7 +126,7 @@ void quantize(const float* x, int64_t K, int64_t group, int bits, ActRow& a) {
     }
   a.gsum.assign(K / group, 0.f);
   for (int64_t c = 0; c < chunks; c++)
-    for (int64_t j = 0; j < 16; j++) a.gsum[c * 128 / group] += a.qsa[c * 16 + j];
+    for (int64_t j = 0; j < 16; j++) a.gsum[(c * 128 + 8 * j) / group] += a.qsa[c * 16 + j];
 }
 
 struct Weights {
@@ -156,22 +156,18 @@ float row_portable(const Weights& W, const ActRow& a, int64_t n) {
     return W.s(n) * (acc - (float)W.z(n) * a.total);
   }
   const uint8_t* w = W.w + n * W.K / 2;
-  const int64_t G = W.K / W.group, per = W.group / 128;
+  const int64_t G = W.K / W.group;
   float acc = 0.f;
-  for (int64_t g = 0; g < G; g++) {
-    float gacc = 0.f;
-    const float z = (float)W.z(n * G + g);
-    for (int64_t c = g * per; c < (g + 1) * per; c++)
-      for (int64_t j = 0; j < 16; j++) {
-        int32_t d = 0;
-        for (int64_t t = 0; t < 4; t++) {
-          const uint8_t byte = w[c * 64 + 4 * j + t];
-          d += (int32_t)(byte & 0xf) * a.q[c * 128 + 4 * j + t] + (int32_t)(byte >> 4) * a.q[c * 128 + 64 + 4 * j + t];
-        }
-        gacc += (float)d * a.sa[c * 16 + j] - z * a.qsa[c * 16 + j];
+  for (int64_t c = 0; c < W.K / 128; c++)
+    for (int64_t j = 0; j < 16; j++) {  // lane j sums k in [c * 128 + 8j, + 8): one group's
+      const int64_t g = n * G + (c * 128 + 8 * j) / W.group;
+      int32_t d = 0;
+      for (int64_t t = 0; t < 4; t++) {
+        const uint8_t byte = w[c * 64 + 4 * j + t];
+        d += (int32_t)(byte & 0xf) * a.q[c * 128 + 4 * j + t] + (int32_t)(byte >> 4) * a.q[c * 128 + 64 + 4 * j + t];
       }
-    acc += W.s(n * G + g) * gacc;
-  }
+      acc += W.s(g) * ((float)d * a.sa[c * 16 + j] - (float)W.z(g) * a.qsa[c * 16 + j]);
+    }
   return acc;
 }
 
@@ -246,6 +242,56 @@ float row_vnni4(const Weights& W, const ActRow& a, int64_t n) {
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) - (z0 + z1);
 }
+
+// Row n of 4-bit weights in groups of GS (32 or 64) values: a 64-byte chunk holds 128 / GS groups, so each lane takes
+// its group's weight scale and zero point (lane j sums k in [8j, 8j + 8)), both gathered into vectors per chunk.
+template <int GS>
+float row_vnni4_small(const Weights& W, const ActRow& a, int64_t n) {
+  constexpr int PER = 128 / GS;  // groups a chunk
+  const int64_t G = W.K / GS, chunks = W.K / 128, row_bytes = W.K / 2;
+  const __m512i low = _mm512_set1_epi8(0x0f), nibble = _mm512_set1_epi32(0xf);
+  const __m512i lane_group = GS == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                      : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i shift = _mm512_slli_epi32(lane_group, 2);
+  const uint8_t* w = W.w + n * row_bytes;
+  const int8_t* q = a.q.data();
+  auto chunk = [&](int64_t c) {
+    const __m512i v = _mm512_loadu_si512(w + c * 64);
+    _mm_prefetch((const char*)(w + c * 64 + PF), _MM_HINT_T0);
+    const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                              _mm512_loadu_si512(q + c * 128)),
+                                          hi, _mm512_loadu_si512(q + c * 128 + 64));
+    const int64_t i0 = n * G + c * PER;  // the chunk's first group: even, so its zero points start a byte
+    __m128 s4;
+    if (W.scale_f16) {
+      const uint16_t* h = static_cast<const uint16_t*>(W.scale) + i0;
+      uint64_t bits = 0;
+      std::memcpy(&bits, h, PER * 2);
+      s4 = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)bits));
+    } else {
+      float f[4] = {0.f, 0.f, 0.f, 0.f};
+      std::memcpy(f, static_cast<const float*>(W.scale) + i0, PER * 4);
+      s4 = _mm_loadu_ps(f);
+    }
+    const __m512 sw = _mm512_permutexvar_ps(lane_group, _mm512_castps128_ps512(s4));
+    uint32_t zbits = 0;
+    std::memcpy(&zbits, W.zp + i0 / 2, PER / 2);
+    const __m512 z = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)zbits), shift),
+                                                         nibble));
+    const __m512 t = _mm512_fnmadd_ps(z, _mm512_loadu_ps(a.qsa.data() + c * 16),
+                                      _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(a.sa.data() + c * 16)));
+    return _mm512_mul_ps(t, sw);
+  };
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 1 < chunks; c += 2) {
+    acc0 = _mm512_add_ps(acc0, chunk(c));
+    acc1 = _mm512_add_ps(acc1, chunk(c + 1));
+  }
+  if (c < chunks) acc0 = _mm512_add_ps(acc0, chunk(c));
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
 #endif
 
 class QGemv : public ov::op::Op {
@@ -263,8 +309,9 @@ class QGemv : public ov::op::Op {
     NODE_VALIDATION_CHECK(this, bits_ == 4 || bits_ == 8, "bits must be 4 or 8");
     NODE_VALIDATION_CHECK(this, n_ > 0 && k_ > 0 && k_ % (bits_ == 4 ? 128 : 64) == 0,
                           "K must be a positive multiple of 128 (4 bits) or 64 (8 bits)");
-    NODE_VALIDATION_CHECK(this, bits_ == 8 ? group_ == k_ : (group_ % 128 == 0 && k_ % group_ == 0),
-                          "4 bits: the group must be a multiple of 128 dividing K; 8 bits: one group a row");
+    NODE_VALIDATION_CHECK(this, bits_ == 8 ? group_ == k_ : ((group_ == 32 || group_ == 64 || group_ % 128 == 0) &&
+                                                            k_ % group_ == 0),
+                          "4 bits: the group must be 32, 64 or a multiple of 128 dividing K; 8 bits: one group a row");
     for (size_t i : {1, 2})
       NODE_VALIDATION_CHECK(this, get_input_element_type(i) == ov::element::u8, "weights and zero points are u8 bytes");
     const auto st = get_input_element_type(3);
@@ -326,7 +373,9 @@ class QGemv : public ov::op::Op {
   static void rows(const Weights& W, const ActRow& a, int64_t n0, int64_t n1, float* y) {
     int64_t n = n0;
 #if QGEMV_VNNI
-    for (; n < n1; n++) y[n] = W.bits == 8 ? row_vnni8(W, a, n) : row_vnni4(W, a, n);
+    float (*row)(const Weights&, const ActRow&, int64_t) =
+        W.bits == 8 ? row_vnni8 : W.group == 32 ? row_vnni4_small<32> : W.group == 64 ? row_vnni4_small<64> : row_vnni4;
+    for (; n < n1; n++) y[n] = row(W, a, n);
 #else
     for (; n < n1; n++) y[n] = row_portable(W, a, n);
 #endif
