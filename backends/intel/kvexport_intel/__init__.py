@@ -406,14 +406,18 @@ class IntelBackend(Backend):
                             head_dim=cfg.head_dim, facts=facts, ring=ring)
 
     def doctor(self) -> dict[str, Any]:
+        from kvexport_intel.gemv import choose
         from kvexport_intel.int8_blocks import int8_format
 
         flags = isa.read_cpu_flags()
         topo = numa.read_topology()
         kv_int8, why = int8_format(flags, compile=False)
+        ours, matmul_why = choose(None, flags, "int4", compile=False)
         return {"openvino": _openvino_version(), "amx": "present" if isa.has_amx(flags) else "absent",
                 "isa": isa.isa_report(flags), "would_pick_precision": isa.why_precision(flags),
                 "kv_int8": f"{kv_int8}: {why}",  # the format --kv int8 would hold here
+                # what runs int8/int4 weights' decode steps here (the load option decode_matmul's auto)
+                "decode_matmul": f"{'kvexport' if ours else 'openvino'}: {matmul_why}",
                 "numa_nodes": {n.id: list(n.cpus) for n in topo.nodes},
                 "offline_cpus": list(topo.offline)}
 

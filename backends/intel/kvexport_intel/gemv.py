@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,10 @@ def kernel(lib: Path) -> str:
     return said().decode()
 
 
-def choose(asked: str | None, flags: set[str], weights: str | None) -> tuple[bool, str]:
+def choose(asked: str | None, flags: set[str], weights: str | None, compile: bool = True) -> tuple[bool, str]:
     """Whether the decode form takes kvexport's matmul, and why: `asked` the load option decode_matmul (None: auto),
-    `flags` this CPU's, `weights` the artifact's weight dtype (int8, int4, or another)."""
+    `flags` this CPU's, `weights` the artifact's weight dtype (int8, int4, or another). compile=False (what
+    `kvexport doctor` asks) only looks for the compiler instead of compiling the op."""
     asked = asked or "auto"
     if asked not in CHOICES:
         from kvexport.errors import InputError
@@ -64,6 +66,11 @@ def choose(asked: str | None, flags: set[str], weights: str | None) -> tuple[boo
     if asked == "auto" and not {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
         return False, ("this CPU lacks AVX512-VNNI, which kvexport's decode matmul is written for: the plugin's "
                        "matmuls (decode_matmul=kvexport runs its portable loops)")
+    if not compile:
+        cxx = os.environ.get("CXX") or "c++"
+        if shutil.which(cxx) is None:
+            return False, f"kvexport's decode matmul is compiled with a C++ compiler and {cxx!r} is not on PATH"
+        return True, "kvexport's QGemv (" + ("AVX512-VNNI" if "avx512_vnni" in flags else "portable") + ")"
     try:
         lib = library()
     except BackendUnavailableError as e:

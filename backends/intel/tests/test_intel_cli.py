@@ -67,6 +67,10 @@ def test_doctor_shows_amx_numa_and_the_precision_it_would_pick() -> None:
     i8_on_tiles = {"amx_tile", "amx_int8", "amx_bf16"} <= flags  # doctor assumes the tiles granted
     pays = vector and (not u8_on_tiles or i8_on_tiles)
     assert intel["kv_int8"].startswith(f"{'i8' if pays else 'u8'}: "), intel["kv_int8"]
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags  # int8/int4 decode steps: kvexport's QGemv where it has it
+    assert intel["decode_matmul"] == ("kvexport: kvexport's QGemv (AVX512-VNNI)" if vnni else
+                                      "openvino: this CPU lacks AVX512-VNNI, which kvexport's decode matmul is written "
+                                      "for: the plugin's matmuls (decode_matmul=kvexport runs its portable loops)")
 
 
 @pytest.mark.parametrize(("extra", "match"), [
