@@ -90,10 +90,11 @@ def _bytes(node: Any) -> Any:
 
 
 def compressed_weight(matmul: Any) -> tuple[Any, Any, Any, int, int, int, int] | None:
-    """(values, zero points, scales, bits, N, K, group) of a MatMul X @ W^T whose W is NNCF's asymmetric
-    decompression (Convert(values) - Convert(zero points)) * scales, reshaped from groups and converted to f32 as
-    the IR holds it; None for any other weight, or one the op does not take (4 bits: groups of 32, 64 or a multiple of 128, over a multiple of 128
-    inputs)."""
+    """(values, zero points, scales, bits, N, K, group) of a MatMul X @ W^T whose W is NNCF's decompression,
+    reshaped from groups and converted to f32 as the IR holds it: asymmetric, (Convert(values) - Convert(zero
+    points)) * scales (u4 or u8), or INT4_SYM's Convert(values) * scales (i4; zero points None). None for any other
+    weight, or one the op does not take (4 bits: groups of 32, 64 or a multiple of 128, over a multiple of 128
+    inputs; 8 bits: one group a row, over a multiple of 64)."""
     import openvino as ov
 
     attrs = matmul.get_attributes()
@@ -105,29 +106,31 @@ def compressed_weight(matmul: Any) -> tuple[Any, Any, Any, int, int, int, int] |
             node = node.input_value(0).get_node()
     if node.get_type_name() != "Multiply":
         return None
-    sub, scales = node.input_value(0).get_node(), node.input_value(1).get_node()
-    if sub.get_type_name() != "Subtract" or scales.get_type_name() != "Constant":
+    values, scales = node.input_value(0).get_node(), node.input_value(1).get_node()
+    if scales.get_type_name() != "Constant" or scales.get_element_type() not in (ov.Type.f16, ov.Type.f32):
         return None
-    if scales.get_element_type() not in (ov.Type.f16, ov.Type.f32):
+    z = None
+    if values.get_type_name() == "Subtract":
+        cw, cz = values.input_value(0).get_node(), values.input_value(1).get_node()
+        if cz.get_type_name() != "Convert" or cz.input_value(0).get_node().get_type_name() != "Constant":
+            return None
+        values, z = cw, cz.input_value(0).get_node()
+    if values.get_type_name() != "Convert" or values.input_value(0).get_node().get_type_name() != "Constant":
         return None
-    cw, cz = sub.input_value(0).get_node(), sub.input_value(1).get_node()
-    if cw.get_type_name() != "Convert" or cz.get_type_name() != "Convert":
-        return None
-    w, z = cw.input_value(0).get_node(), cz.input_value(0).get_node()
-    if w.get_type_name() != "Constant" or z.get_type_name() != "Constant":
-        return None
+    w = values.input_value(0).get_node()
     shape, et = list(w.get_output_shape(0)), w.get_element_type()
-    if et == ov.Type.u4 and len(shape) == 3 and z.get_element_type() == ov.Type.u4:
+    zt = None if z is None else z.get_element_type()
+    if len(shape) == 3 and (et, zt) in ((ov.Type.u4, ov.Type.u4), (ov.Type.i4, None)):
         n, k, group, bits = shape[0], shape[1] * shape[2], shape[2], 4
         if group not in (32, 64) and group % 128:
             return None
-    elif et == ov.Type.u8 and len(shape) == 2 and z.get_element_type() == ov.Type.u8:
+    elif len(shape) == 2 and et == ov.Type.u8 and zt == ov.Type.u8:
         n, k, group, bits = shape[0], shape[1], shape[1], 8
     else:
         return None
     groups = k // group
-    if k % (128 if bits == 4 else 64) or int(np.prod(z.get_output_shape(0))) != n * groups or \
-            int(np.prod(scales.get_output_shape(0))) != n * groups:
+    if k % (128 if bits == 4 else 64) or int(np.prod(scales.get_output_shape(0))) != n * groups or \
+            (z is not None and int(np.prod(z.get_output_shape(0))) != n * groups):
         return None
     return w, z, scales, bits, n, k, group
 
@@ -135,6 +138,7 @@ def compressed_weight(matmul: Any) -> tuple[Any, Any, Any, int, int, int, int] |
 def to_qgemv(model: Any, lib: Path) -> int:
     """Replace every MatMul over a compressed weight the op takes (compressed_weight) by kvexport's QGemv over the
     same constants' bytes, in place; returns how many were replaced."""
+    import openvino as ov
     from openvino.utils.node_factory import NodeFactory
 
     factory = NodeFactory()
@@ -145,8 +149,11 @@ def to_qgemv(model: Any, lib: Path) -> int:
         if found is None:
             continue
         w, z, scales, bits, n, k, group = found
-        op = factory.create(OP_TYPE, [matmul.input_value(0), _bytes(w), _bytes(z), scales.output(0)],
-                            {"n": n, "k": k, "group": group, "bits": bits})
+        if z is None:  # INT4_SYM: signed values, which the op flips into v + 8 against zero points of 8
+            eights = ov.op.Constant(np.full(-(-n * (k // group) // 2), 0x88, np.uint8)).output(0)
+        op = factory.create(OP_TYPE, [matmul.input_value(0), _bytes(w), eights if z is None else _bytes(z),
+                                      scales.output(0)],
+                            {"n": n, "k": k, "group": group, "bits": bits, "flip": int(z is None)})
         op.set_friendly_name(matmul.get_friendly_name())
         matmul.output(0).replace(op.output(0))
         done += 1

@@ -46,7 +46,7 @@ def _account(x: np.ndarray, w: np.ndarray, z: np.ndarray, s: np.ndarray) -> np.n
 
 
 def _run_op(op_lib: Path, x: np.ndarray, w_bytes: np.ndarray, z_bytes: np.ndarray, scales: np.ndarray, *, n: int,
-            k: int, group: int, bits: int) -> np.ndarray:
+            k: int, group: int, bits: int, flip: int = 0) -> np.ndarray:
     import openvino as ov
     import openvino.opset13 as opset
     from openvino.utils.node_factory import NodeFactory
@@ -58,30 +58,34 @@ def _run_op(op_lib: Path, x: np.ndarray, w_bytes: np.ndarray, z_bytes: np.ndarra
     param = opset.parameter([-1, -1, k], ov.Type.f32, name="x")
     op = factory.create(gemv.OP_TYPE, [param.output(0), opset.constant(w_bytes).output(0),
                                        opset.constant(z_bytes).output(0), opset.constant(scales).output(0)],
-                        {"n": n, "k": k, "group": group, "bits": bits})
+                        {"n": n, "k": k, "group": group, "bits": bits, "flip": flip})
     compiled = core.compile_model(ov.Model([op.output(0)], [param]), "CPU",
                                   {"INFERENCE_NUM_THREADS": 2, "INFERENCE_PRECISION_HINT": "f32"})
     return compiled(x[None])[0][0]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5])  # 5: the activations quantized over the threads
-@pytest.mark.parametrize("case", ["int4-g128", "int4-g256-f32-scales", "int4-g32", "int4-g64-f32-scales", "int8"])
+@pytest.mark.parametrize("case", ["int4-g128", "int4-g256-f32-scales", "int4-g32", "int4-g64-f32-scales", "int8",
+                                  "int4-g128-sym", "int4-g32-sym"])
 def test_op_matches_its_arithmetic(op_lib: Path, case: str, rows: int) -> None:
     rng = np.random.default_rng(7)
     bits = 8 if case == "int8" else 4
     n, k = (37, 384) if bits == 8 else (41, 512)  # row counts off every multiple the kernels group by
     group = k if bits == 8 else int(case.split("-")[1][1:])
     groups = k // group
-    w = rng.integers(0, 2 ** bits, (n, k))
-    z = rng.integers(0, 2 ** bits, (n, groups))
+    sym = case.endswith("-sym")  # INT4_SYM: signed values, no zero points (the op takes zero points of 8, flipped)
+    w = rng.integers(-8, 8, (n, k)) if sym else rng.integers(0, 2 ** bits, (n, k))
+    z = np.zeros((n, groups), np.int64) if sym else rng.integers(0, 2 ** bits, (n, groups))
     s = (rng.random((n, groups)) * 0.02 + 0.001).astype(np.float32 if "f32" in case else np.float16)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
-    if bits == 4:
+    if sym:
+        w_bytes, z_bytes = _pack4(w & 0xF), np.full(-(-z.size // 2), 0x88, np.uint8)
+    elif bits == 4:
         w_bytes, z_bytes = _pack4(w), _pack4(np.concatenate([z.reshape(-1), [0]]) if z.size % 2 else z)
     else:
         w_bytes, z_bytes = w.astype(np.uint8).reshape(-1), z.astype(np.uint8).reshape(-1)
-    y = _run_op(op_lib, x, w_bytes, z_bytes, s.reshape(-1), n=n, k=k, group=group, bits=bits)
+    y = _run_op(op_lib, x, w_bytes, z_bytes, s.reshape(-1), n=n, k=k, group=group, bits=bits, flip=int(sym))
     want = _account(x, w, z, s.astype(np.float32))
     assert y.shape == (rows, n)
     np.testing.assert_allclose(y, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())

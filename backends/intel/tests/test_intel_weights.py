@@ -30,6 +30,7 @@ MODES = {
     "int8": BuildOptions(weights="int8"),
     "int4-g128": BuildOptions(weights="int4"),
     "int4-g32": BuildOptions(weights="int4", group_size=32),
+    "int4-g128-sym": BuildOptions(weights="int4", extra={"int4_sym": "true"}),
     "int4-g128+gptq": BuildOptions(weights="int4", extra={"quantizer": "gptq"}),
 }
 
@@ -112,6 +113,20 @@ def test_compressed_weights_pass_their_tolerance_row_on_the_trained_model(mode: 
     assert report.passed, report.failures
     assert abs(t["ppl_change"]) <= (0.01 if mode == "int8" else 0.08)  # the issue's bar, under the row's own
     assert t["mean_kl"] > 1e-7  # the weights really were compressed: the engine is not the fp32 one
+
+
+def test_int4_sym_decode_steps_through_qgemv_pass_the_int4_row(builds: _Builds, trained: Path,
+                                                                 reference: Reference) -> None:
+    """INT4_SYM's signed values (no zero points) through QGemv, which flips them against zero points of 8: the same
+    matmuls taken as INT4_ASYM's, and the int4 row passed at f32 activations."""
+    engine = kvexport.load(str(builds["int4-g128-sym"]), precision="fp32", decode_matmul="kvexport")
+    report = verify_engine(engine, trained, reference=reference)
+    assert engine.session.facts["decode_matmuls"].startswith(f"{QGEMV_MATMULS['int4-g128']} through kvexport's QGemv")
+    t = report.text
+    print(f"intel int4-g128 INT4_SYM (fp32, decode_matmul=kvexport): top-1 {t['top1_agreement']:.4f}, mean KL "
+          f"{t['mean_kl']:.3g}, ppl {t['ppl_change']:+.3%}")
+    assert report.passed, report.failures
+    assert abs(t["ppl_change"]) <= 0.08 and t["mean_kl"] > 1e-7
 
 
 def test_steps_of_more_rows_than_the_decode_matmul_takes_run_the_plugins(builds: _Builds) -> None:

@@ -3,7 +3,8 @@
 //   bits 4: W u4 [N, K / group, group], zero points u4 [N, K / group, 1], scales [N, K / group, 1];
 //   bits 8: W u8 [N, K], zero points u8 [N, 1], scales [N, 1] (one group a row: INT8_ASYM).
 // The op takes the bytes as u8 tensors (two 4-bit values a byte, the even index in the low nibble, as the IR packs
-// them) and the scales as f16 or f32. kvexport_intel.gemv builds the decode form's graph with it where the engine's
+// them) and the scales as f16 or f32. With `flip` (INT4_SYM: signed 4-bit values, no zero points) each nibble is
+// XORed with 8, which turns a two's-complement v into v + 8, and the caller gives zero points of 8. kvexport_intel.gemv builds the decode form's graph with it where the engine's
 // weights are compressed so; prompts keep OpenVINO's FullyConnected (its AMX kernels).
 //
 // Why: at batch 1 a decode step streams every weight once. On the 2-core AMX Xeon the plugin's 4-bit kernel read
@@ -135,6 +136,7 @@ struct Weights {
   const void* scale;
   bool scale_f16;
   int64_t N, K, group, bits;
+  uint8_t flip;  // 0x88: signed 4-bit values, each nibble XORed with 8 (v + 8 against zero points of 8); else 0
 
   float s(int64_t i) const {
     return scale_f16 ? half_to_float(static_cast<const uint16_t*>(scale)[i]) : static_cast<const float*>(scale)[i];
@@ -163,7 +165,7 @@ float row_portable(const Weights& W, const ActRow& a, int64_t n) {
       const int64_t g = n * G + (c * 128 + 8 * j) / W.group;
       int32_t d = 0;
       for (int64_t t = 0; t < 4; t++) {
-        const uint8_t byte = w[c * 64 + 4 * j + t];
+        const uint8_t byte = w[c * 64 + 4 * j + t] ^ W.flip;
         d += (int32_t)(byte & 0xf) * a.q[c * 128 + 4 * j + t] + (int32_t)(byte >> 4) * a.q[c * 128 + 64 + 4 * j + t];
       }
       acc += W.s(g) * ((float)d * a.sa[c * 16 + j] - (float)W.z(g) * a.qsa[c * 16 + j]);
@@ -172,6 +174,19 @@ float row_portable(const Weights& W, const ActRow& a, int64_t n) {
 }
 
 #if QGEMV_VNNI
+// The int32 dot products of a 4-bit row's 64-byte chunk c (128 values) with the activations laid out for it: lane j
+// sums k in [8j, 8j + 8), the low nibbles' products and the high nibbles'. The bytes PF ahead are prefetched.
+template <bool FLIP>
+inline __m512i dot4(const uint8_t* w, const int8_t* q, int64_t c) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512i v = _mm512_loadu_si512(w + c * 64);
+  if (FLIP) v = _mm512_xor_si512(v, _mm512_set1_epi8((char)0x88));
+  _mm_prefetch((const char*)(w + c * 64 + PF), _MM_HINT_T0);
+  const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q + c * 128)), hi,
+                             _mm512_loadu_si512(q + c * 128 + 64));
+}
+
 // Row n of 8-bit weights (one group a row) against one activation row: a dpbusd per 64 bytes, its int32 sums scaled
 // per 32-block of activations; the zero point's term once a row (ActRow::total).
 float row_vnni8(const Weights& W, const ActRow& a, int64_t n) {
@@ -201,23 +216,16 @@ float row_vnni8(const Weights& W, const ActRow& a, int64_t n) {
 // scaled per 32-block of activations; each group's sum scaled by its weight scale into one of two accumulators (in
 // turn, so that no chain of dependent FMAs paces the loop); the zero points' term summed in scalars, per group:
 // s_w z sum_k s_a q_k over the group (ActRow::gsum). One sequential stream a thread, prefetched PF bytes ahead.
+template <bool FLIP>
 float row_vnni4(const Weights& W, const ActRow& a, int64_t n) {
-  const int64_t G = W.K / W.group, per = W.group / 128, row_bytes = W.K / 2;
-  const __m512i low = _mm512_set1_epi8(0x0f);
-  const uint8_t* w = W.w + n * row_bytes;
+  const int64_t G = W.K / W.group, per = W.group / 128;
+  const uint8_t* w = W.w + n * W.K / 2;
   const int8_t* q = a.q.data();
   const float* sa = a.sa.data();
   auto group = [&](int64_t g) {  // the group's sum, scaled per 32-block of activations
     __m512 gacc = _mm512_setzero_ps();
-    for (int64_t c = g * per; c < (g + 1) * per; c++) {
-      const __m512i v = _mm512_loadu_si512(w + c * 64);
-      _mm_prefetch((const char*)(w + c * 64 + PF), _MM_HINT_T0);
-      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                                _mm512_loadu_si512(q + c * 128)),
-                                            hi, _mm512_loadu_si512(q + c * 128 + 64));
-      gacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(sa + c * 16), gacc);
-    }
+    for (int64_t c = g * per; c < (g + 1) * per; c++)
+      gacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot4<FLIP>(w, q, c)), _mm512_loadu_ps(sa + c * 16), gacc);
     return gacc;
   };
   auto scale = [&](int64_t i) {
@@ -245,23 +253,18 @@ float row_vnni4(const Weights& W, const ActRow& a, int64_t n) {
 
 // Row n of 4-bit weights in groups of GS (32 or 64) values: a 64-byte chunk holds 128 / GS groups, so each lane takes
 // its group's weight scale and zero point (lane j sums k in [8j, 8j + 8)), both gathered into vectors per chunk.
-template <int GS>
+template <int GS, bool FLIP>
 float row_vnni4_small(const Weights& W, const ActRow& a, int64_t n) {
   constexpr int PER = 128 / GS;  // groups a chunk
-  const int64_t G = W.K / GS, chunks = W.K / 128, row_bytes = W.K / 2;
-  const __m512i low = _mm512_set1_epi8(0x0f), nibble = _mm512_set1_epi32(0xf);
+  const int64_t G = W.K / GS, chunks = W.K / 128;
+  const __m512i nibble = _mm512_set1_epi32(0xf);
   const __m512i lane_group = GS == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                                       : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i shift = _mm512_slli_epi32(lane_group, 2);
-  const uint8_t* w = W.w + n * row_bytes;
+  const uint8_t* w = W.w + n * W.K / 2;
   const int8_t* q = a.q.data();
   auto chunk = [&](int64_t c) {
-    const __m512i v = _mm512_loadu_si512(w + c * 64);
-    _mm_prefetch((const char*)(w + c * 64 + PF), _MM_HINT_T0);
-    const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                              _mm512_loadu_si512(q + c * 128)),
-                                          hi, _mm512_loadu_si512(q + c * 128 + 64));
+    const __m512i d = dot4<FLIP>(w, q, c);
     const int64_t i0 = n * G + c * PER;  // the chunk's first group: even, so its zero points start a byte
     __m128 s4;
     if (W.scale_f16) {
@@ -299,14 +302,15 @@ class QGemv : public ov::op::Op {
   OPENVINO_OP("QGemv", "kvexport");
 
   QGemv() = default;
-  QGemv(const ov::OutputVector& args, int64_t n, int64_t k, int64_t group, int64_t bits)
-      : Op(args), n_(n), k_(k), group_(group), bits_(bits) {
+  QGemv(const ov::OutputVector& args, int64_t n, int64_t k, int64_t group, int64_t bits, int64_t flip = 0)
+      : Op(args), n_(n), k_(k), group_(group), bits_(bits), flip_(flip) {
     constructor_validate_and_infer_types();
   }
 
   void validate_and_infer_types() override {
     NODE_VALIDATION_CHECK(this, get_input_size() == 4, "QGemv takes 4 inputs, got ", get_input_size());
     NODE_VALIDATION_CHECK(this, bits_ == 4 || bits_ == 8, "bits must be 4 or 8");
+    NODE_VALIDATION_CHECK(this, flip_ == 0 || bits_ == 4, "flip (signed values) is for 4 bits");
     NODE_VALIDATION_CHECK(this, n_ > 0 && k_ > 0 && k_ % (bits_ == 4 ? 128 : 64) == 0,
                           "K must be a positive multiple of 128 (4 bits) or 64 (8 bits)");
     NODE_VALIDATION_CHECK(this, bits_ == 8 ? group_ == k_ : ((group_ == 32 || group_ == 64 || group_ % 128 == 0) &&
@@ -324,7 +328,7 @@ class QGemv : public ov::op::Op {
   }
 
   std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-    return std::make_shared<QGemv>(args, n_, k_, group_, bits_);
+    return std::make_shared<QGemv>(args, n_, k_, group_, bits_, flip_);
   }
 
   bool visit_attributes(ov::AttributeVisitor& v) override {
@@ -332,6 +336,7 @@ class QGemv : public ov::op::Op {
     v.on_attribute("k", k_);
     v.on_attribute("group", group_);
     v.on_attribute("bits", bits_);
+    v.on_attribute("flip", flip_);
     return true;
   }
 
@@ -350,7 +355,8 @@ class QGemv : public ov::op::Op {
     oshape.back() = N;
     outputs[0].set_shape(oshape);
     const Weights W{static_cast<const uint8_t*>(inputs[1].data()), static_cast<const uint8_t*>(inputs[2].data()),
-                    inputs[3].data(), inputs[3].get_element_type() == ov::element::f16, N, K, group_, bits_};
+                    inputs[3].data(), inputs[3].get_element_type() == ov::element::f16, N, K, group_, bits_,
+                    (uint8_t)(flip_ ? 0x88 : 0)};
     const float* x = xt.data<const float>();
     float* y = outputs[0].data<float>();
     std::vector<ActRow> acts(M);
@@ -374,14 +380,19 @@ class QGemv : public ov::op::Op {
     int64_t n = n0;
 #if QGEMV_VNNI
     float (*row)(const Weights&, const ActRow&, int64_t) =
-        W.bits == 8 ? row_vnni8 : W.group == 32 ? row_vnni4_small<32> : W.group == 64 ? row_vnni4_small<64> : row_vnni4;
+        W.bits == 8   ? row_vnni8
+        : W.flip      ? (W.group == 32 ? row_vnni4_small<32, true> : W.group == 64 ? row_vnni4_small<64, true>
+                                                                                   : row_vnni4<true>)
+        : W.group == 32 ? row_vnni4_small<32, false>
+        : W.group == 64 ? row_vnni4_small<64, false>
+                        : row_vnni4<false>;
     for (; n < n1; n++) y[n] = row(W, a, n);
 #else
     for (; n < n1; n++) y[n] = row_portable(W, a, n);
 #endif
   }
 
-  int64_t n_ = 0, k_ = 0, group_ = 0, bits_ = 4;
+  int64_t n_ = 0, k_ = 0, group_ = 0, bits_ = 4, flip_ = 0;
 };
 
 }  // namespace
