@@ -2,7 +2,7 @@
 
 At batch 1 a decode step reads every weight once, so its time is the weights' bytes over the rate they are read.
 On the 2-core AMX Xeon, OpenVINO 2026.4's CPU plugin read bench-1b's int4 (INT4_ASYM, group 128) weights at ~12
-GB/s in a decode step, about half the two cores' read bandwidth, and its int8 ones at ~16 GB/s (docs/performance.md).
+GB/s in a decode step, about half the two cores' read bandwidth, and its int8 ones at ~14 GB/s (docs/performance.md).
 The op `kvexport.QGemv` (kvexport_intel/native/qgemv.cpp) computes such a matmul from the weights where the IR keeps
 them (u4 or u8 values, u4 or u8 zero points, f16 scales: no copy, no repacking), with AVX512-VNNI dot products over
 activations quantized to int8 per 32 values, as the plugin's own dynamic quantization does.
@@ -27,8 +27,9 @@ from kvexport_intel.extension import NATIVE, compile_op
 SOURCE = NATIVE / "qgemv.cpp"
 OP_TYPE = "QGemv"
 # rows a step may have for the decode form to take it: the op's time grows with its rows (each row's dot products
-# are its own), the plugin's barely up to a few rows. On the 2-core AMX Xeon the op took bench-1b's int4 step from
-# ~70 to ~52 ms at one row (kvexport_intel/native/qgemv.cpp's figures); at 3 rows it would compute for ~68 ms.
+# are its own), the plugin's barely over a few. On the 2-core AMX Xeon the op took bench-1b's int4 g128 step from
+# 65 to 46 ms at one row (docs/performance.md); on 8192 x 2048 int4 matrices it took 1.44x its one-row time at 2
+# rows, 1.89x at 3, 2.28x at 4: about the plugin's step at 2 rows, slower from 3.
 GEMV_ROWS = 2
 CHOICES = ("auto", "kvexport", "openvino")
 # a build of the op a process may ask for through its environment, so that the loops other CPUs run are tested on
