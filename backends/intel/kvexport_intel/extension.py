@@ -27,6 +27,12 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "
          "-shared", "-fPIC", "-DNDEBUG", "-Wl,-z,nodelete")
 
 
+def missing_compiler() -> str | None:
+    """The C++ compiler the ops are compiled with (`c++`, or $CXX) where it is not on PATH; None where it is."""
+    cxx = os.environ.get("CXX") or "c++"
+    return cxx if shutil.which(cxx) is None else None
+
+
 def compile_op(source: Path, stem: str, what: str, instead: str, extra: tuple[str, ...] = ()) -> Path:
     """The extension library of `source` (under NATIVE), compiled here the first time; BackendUnavailableError where
     it cannot be, saying `what` needs it and what to do `instead`."""
@@ -42,10 +48,11 @@ def compile_op(source: Path, stem: str, what: str, instead: str, extra: tuple[st
     lib = cache / f"libkvexport_ov_{stem}_{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
+    missing = missing_compiler()
+    if missing is not None:
+        raise BackendUnavailableError(f"{what} is compiled with a C++ compiler and {missing!r} is not there: install "
+                                      f"g++ (or set CXX to one), or {instead}")
     cxx = os.environ.get("CXX") or "c++"
-    if shutil.which(cxx) is None:
-        raise BackendUnavailableError(f"{what} is compiled with a C++ compiler and {cxx!r} is not there: install g++ "
-                                      f"(or set CXX to one), or {instead}")
     openvino = sorted(libs.glob("libopenvino.so*"))
     tbb = sorted(libs.glob("libtbb.so*"))
     if not include.is_dir() or not openvino or not tbb:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvexport.errors import BackendUnavailableError
-from kvexport_intel.extension import NATIVE, compile_op
+from kvexport_intel.extension import NATIVE, compile_op, missing_compiler
 
 SOURCE = NATIVE / "qgemv.cpp"
 OP_TYPE = "QGemv"
@@ -68,9 +67,9 @@ def choose(asked: str | None, flags: set[str], weights: str | None, compile: boo
         return False, ("this CPU lacks AVX512-VNNI, which kvexport's decode matmul is written for: the plugin's "
                        "matmuls (decode_matmul=kvexport runs its portable loops)")
     if not compile:
-        cxx = os.environ.get("CXX") or "c++"
-        if shutil.which(cxx) is None:
-            return False, f"kvexport's decode matmul is compiled with a C++ compiler and {cxx!r} is not on PATH"
+        missing = missing_compiler()
+        if missing is not None:
+            return False, f"kvexport's decode matmul is compiled with a C++ compiler and {missing!r} is not on PATH"
         return True, "kvexport's QGemv (" + ("AVX512-VNNI" if "avx512_vnni" in flags else "portable") + ")"
     try:
         lib = library()

@@ -14,14 +14,13 @@ its paged form (kvexport_intel.extension: about 3 s once). Nothing of it comes f
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvexport.errors import BackendUnavailableError
-from kvexport_intel.extension import NATIVE, compile_op
+from kvexport_intel.extension import NATIVE, compile_op, missing_compiler
 from kvexport_intel.isa import auto_precision
 from kvexport_intel.paged import KEY_CACHE, PA_OP
 
@@ -84,9 +83,9 @@ def int8_format(flags: set[str], compile: bool = True, activations: str | None =
                       f"i8 cache's prompt kernel does not for {lacking} (its AMX form takes head sizes "
                       f"{', '.join(map(str, AMX_HEAD_DIMS))}; on a 2-core AMX Xeon its vector kernels took 1.6x "
                       "u8's time for a 4096-token prompt)" + other)
-    cxx = os.environ.get("CXX") or "c++"
-    if not compile and shutil.which(cxx) is None:
-        return "u8", f"the i8 cache's op is compiled with a C++ compiler and {cxx!r} is not on PATH"
+    missing = missing_compiler() if not compile else None
+    if missing is not None:
+        return "u8", f"the i8 cache's op is compiled with a C++ compiler and {missing!r} is not on PATH"
     try:
         if compile:
             lib = library()

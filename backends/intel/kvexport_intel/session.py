@@ -211,9 +211,8 @@ class IntelSession(Session):
             return self._prompt_form[0]
 
     def _paged_rows(self, compiled: Any, rows: int, max_seq: int) -> Any:
-        from kvexport_intel.paged import PagedRows
-
         from kvexport_intel.gemv import GEMV_ROWS
+        from kvexport_intel.paged import PagedRows
 
         return PagedRows(compiled, rows=rows, max_seq=max_seq, num_layers=self.num_layers, vocab_size=self.vocab_size,
                          prompt_compiled=self.prompt_form(),

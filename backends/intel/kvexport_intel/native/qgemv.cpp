@@ -367,9 +367,8 @@ class QGemv : public ov::op::Op {
     }
     // one contiguous run of rows a thread: one long stream each, which the prefetchers follow
     const int64_t pieces = std::max(1, tbb::this_task_arena::max_concurrency()) * PIECES;
-    const int64_t units = (N + 3) / 4;
     tbb::parallel_for(int64_t(0), pieces, [&](int64_t t) {
-      const int64_t n0 = std::min(N, units * t / pieces * 4), n1 = std::min(N, units * (t + 1) / pieces * 4);
+      const int64_t n0 = N * t / pieces, n1 = N * (t + 1) / pieces;
       for (int64_t b = n0; b < n1; b += ROWS)
         for (int64_t m = 0; m < M; m++) rows(W, acts[m], b, std::min(n1, b + ROWS), y + m * N);
     }, tbb::simple_partitioner());
