@@ -62,10 +62,11 @@ OPTIONS = (
            "groups of this many (OpenVINO's DYNAMIC_QUANTIZATION_GROUP_SIZE; default the plugin's own, 32, as "
            "OpenVINO GenAI runs); 0 turns it off (the activations' own precision into the decompressed weights)",
            phase="load"),
-    Option("decode_matmul", "str", "auto", "int8/int4 weights: what computes a decode step's matmuls in the paged "
-           "form: kvexport (kvexport's QGemv over the IR's own compressed weights, AVX512-VNNI; prompts then run a "
-           "second paged form with the plugin's matmuls), openvino (the plugin's), or auto (kvexport where the CPU "
-           "has AVX512-VNNI and a C++ compiler is on PATH)", choices=("auto", "kvexport", "openvino"), phase="load"),
+    Option("decode_matmul", "str", "auto", "int8/int4 weights, and bf16 ones (or f32 ones run at bf16): what "
+           "computes a decode step's matmuls in the paged form: kvexport (kvexport's QGemv over the IR's own compressed "
+           "weights, AVX512-VNNI, or over a bf16 copy of its f32 weights, AVX512-BF16; prompts then run a second paged "
+           "form with the plugin's matmuls), openvino (the plugin's), or auto (kvexport where the CPU has that "
+           "instruction set and a C++ compiler is on PATH)", choices=("auto", "kvexport", "openvino"), phase="load"),
     Option("huge_pages", "bool", True, "place the weights the plugin prepares (its repacked or converted copies, made "
            "at load by one warm-up token) in huge pages", phase="load"),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
@@ -379,7 +380,8 @@ class IntelBackend(Backend):
         session.cache_twin = cache_twin
         from kvexport_intel import gemv
 
-        use, facts["decode_matmul"] = gemv.choose(_given(options, "decode_matmul"), flags, facts["weights"])
+        use, facts["decode_matmul"] = gemv.choose(_given(options, "decode_matmul"), flags, facts["weights"],
+                                                  activations=precision)
         session.decode_gemv = gemv.library() if use else None
         session.batch_rows = str(options.get("batch_rows") or "paged")
         if paged_min is not None:
@@ -413,11 +415,14 @@ class IntelBackend(Backend):
         topo = numa.read_topology()
         kv_int8, why = int8_format(flags, compile=False)
         ours, matmul_why = choose(None, flags, "int4", compile=False)
+        ours16, matmul16_why = choose(None, flags, "bf16", compile=False, activations="bf16")
         return {"openvino": _openvino_version(), "amx": "present" if isa.has_amx(flags) else "absent",
                 "isa": isa.isa_report(flags), "would_pick_precision": isa.why_precision(flags),
                 "kv_int8": f"{kv_int8}: {why}",  # the format --kv int8 would hold here
                 # what runs int8/int4 weights' decode steps here (the load option decode_matmul's auto)
                 "decode_matmul": f"{'kvexport' if ours else 'openvino'}: {matmul_why}",
+                # and bf16 weights' (or f32 ones run at bf16), where the CPU runs bf16
+                "decode_matmul_bf16": f"{'kvexport' if ours16 else 'openvino'}: {matmul16_why}",
                 "numa_nodes": {n.id: list(n.cpus) for n in topo.nodes},
                 "offline_cpus": list(topo.offline)}
 

@@ -33,7 +33,7 @@ GEMV_ROWS = 2
 CHOICES = ("auto", "kvexport", "openvino")
 # a build of the op a process may ask for through its environment, so that the loops other CPUs run are tested on
 # this one: KVEXPORT_QGEMV_PORTABLE=1 without AVX512-VNNI (one build a process: two would register the same op)
-VARIANTS = {"KVEXPORT_QGEMV_PORTABLE": ("-mno-avx512vnni",)}
+VARIANTS = {"KVEXPORT_QGEMV_PORTABLE": ("-mno-avx512vnni", "-mno-avx512bf16")}
 
 
 def library() -> Path:
@@ -43,17 +43,35 @@ def library() -> Path:
                       "load with --option decode_matmul=openvino", flags)
 
 
-def kernel(lib: Path) -> str:
-    """What the library computes with: "AVX512-VNNI" or "portable" (as compiled for this CPU)."""
-    said = ctypes.CDLL(str(lib)).kvexport_qgemv_kernel
+def kernel(lib: Path, bf16: bool = False) -> str:
+    """What the library computes with, as compiled for this CPU: int8/int4 weights "AVX512-VNNI" or "portable", bf16
+    weights (bf16=True) "AVX512-BF16" or "portable"."""
+    said = getattr(ctypes.CDLL(str(lib)), "kvexport_qgemv_bf16_kernel" if bf16 else "kvexport_qgemv_kernel")
     said.restype = ctypes.c_char_p
     return said().decode()
 
 
-def choose(asked: str | None, flags: set[str], weights: str | None, compile: bool = True) -> tuple[bool, str]:
+def to_bf16(lib: Path, values: np.ndarray) -> Any:
+    """`values` (f32) rounded to bf16 (nearest even) by the op's library, as the bytes of an OpenVINO u8 tensor (memory
+    OpenVINO owns: a Constant over it keeps it, where one over a numpy array's memory would not keep the array)."""
+    import openvino as ov
+
+    src = np.ascontiguousarray(values, dtype=np.float32)
+    dst = ov.Tensor(ov.Type.u8, ov.Shape([src.size * 2]))
+    convert = ctypes.CDLL(str(lib)).kvexport_qgemv_bf16
+    convert.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    convert.restype = None
+    convert(src.ctypes.data, dst.data.ctypes.data, src.size)
+    return dst
+
+
+def choose(asked: str | None, flags: set[str], weights: str | None, compile: bool = True,
+           activations: str = "bf16") -> tuple[bool, str]:
     """Whether the decode form takes kvexport's matmul, and why: `asked` the load option decode_matmul (None: auto),
-    `flags` this CPU's, `weights` the artifact's weight dtype (int8, int4, or another). compile=False (what
-    `kvexport doctor` asks) only looks for the compiler instead of compiling the op."""
+    `flags` this CPU's, `weights` the artifact's weight dtype (int8, int4, fp32, bf16), `activations` the precision the
+    engine runs in ("bf16" or "fp32": f32 or bf16 weights take the op only under bf16, which rounds them to bf16 as
+    the plugin does). compile=False (what `kvexport doctor` asks) only looks for the compiler instead of compiling
+    the op."""
     asked = asked or "auto"
     if asked not in CHOICES:
         from kvexport.errors import InputError
@@ -61,23 +79,29 @@ def choose(asked: str | None, flags: set[str], weights: str | None, compile: boo
         raise InputError(f"decode_matmul must be one of {', '.join(CHOICES)}, not {asked!r}")
     if asked == "openvino":
         return False, "decode_matmul=openvino was asked for: the plugin's matmuls"
-    if weights not in ("int8", "int4"):
-        return False, f"{weights} weights: the plugin's matmuls (kvexport's decode matmul takes int8/int4 weights)"
-    if asked == "auto" and not {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
-        return False, ("this CPU lacks AVX512-VNNI, which kvexport's decode matmul is written for: the plugin's "
+    floats = weights in ("fp32", "bf16")
+    if not floats and weights not in ("int8", "int4"):
+        return False, f"{weights} weights: the plugin's matmuls (kvexport's decode matmul takes int8/int4/bf16 weights)"
+    if floats and activations != "bf16":
+        return False, (f"{weights} weights at f32 activations: the plugin's f32 matmuls (kvexport's decode matmul "
+                       "takes float weights under bf16 activations, as bf16)")
+    isa = "AVX512-BF16" if floats else "AVX512-VNNI"
+    if asked == "auto" and not {"avx512f", "avx512bw", "avx512_bf16" if floats else "avx512_vnni"} <= flags:
+        return False, (f"this CPU lacks {isa}, which kvexport's decode matmul is written for: the plugin's "
                        "matmuls (decode_matmul=kvexport runs its portable loops)")
     if not compile:
         missing = missing_compiler()
         if missing is not None:
             return False, f"kvexport's decode matmul is compiled with a C++ compiler and {missing!r} is not on PATH"
-        return True, "kvexport's QGemv (" + ("AVX512-VNNI" if "avx512_vnni" in flags else "portable") + ")"
+        return True, "kvexport's QGemv (" + (isa if ("avx512_bf16" if floats else "avx512_vnni") in flags
+                                             else "portable") + ")"
     try:
         lib = library()
     except BackendUnavailableError as e:
         if asked == "kvexport":
             raise
         return False, f"kvexport's decode matmul cannot be compiled here ({e}): the plugin's matmuls"
-    return True, f"kvexport's QGemv ({kernel(lib)})"
+    return True, f"kvexport's QGemv ({kernel(lib, floats)})"
 
 
 def _bytes(node: Any) -> Any:
@@ -135,17 +159,44 @@ def compressed_weight(matmul: Any) -> tuple[Any, Any, Any, int, int, int, int] |
     return w, z, scales, bits, n, k, group
 
 
+def float_weight(matmul: Any) -> tuple[Any, int, int] | None:
+    """(constant, N, K) of a MatMul X @ W^T whose W is an f32 Constant [N, K] (the IR's fp32/bf16 engines); else None."""
+    import openvino as ov
+
+    attrs = matmul.get_attributes()
+    w = matmul.input_value(1).get_node()
+    if attrs.get("transpose_a") or not attrs.get("transpose_b") or w.get_type_name() != "Constant" or \
+            w.get_element_type() != ov.Type.f32 or len(w.get_output_shape(0)) != 2:
+        return None
+    n, k = (int(d) for d in w.get_output_shape(0))
+    return w, n, k
+
+
 def to_qgemv(model: Any, lib: Path) -> int:
-    """Replace every MatMul over a compressed weight the op takes (compressed_weight) by kvexport's QGemv over the
-    same constants' bytes, in place; returns how many were replaced."""
+    """Replace every MatMul over a compressed weight the op takes (compressed_weight), or over an f32 weight
+    (float_weight: the op then reads a bf16 copy the library rounds, the only copy this form holds), by kvexport's
+    QGemv over the same constants' bytes, in place; returns how many were replaced."""
     import openvino as ov
     from openvino.utils.node_factory import NodeFactory
 
     factory = NodeFactory()
     factory.add_extension(str(lib))
     done = 0
+    unused = None
     for matmul in [op for op in model.get_ordered_ops() if op.get_type_name() == "MatMul"]:
         found = compressed_weight(matmul)
+        floats = float_weight(matmul) if found is None else None
+        if floats is not None:
+            w, n, k = floats
+            if unused is None:  # bf16 reads neither zero points nor scales
+                unused = (ov.op.Constant(np.zeros(1, np.uint8)).output(0), ov.op.Constant(np.ones(1, np.float32)).output(0))
+            copy = ov.op.Constant(to_bf16(lib, w.get_data()), shared_memory=True)
+            op = factory.create(OP_TYPE, [matmul.input_value(0), copy.output(0), *unused],
+                                {"n": n, "k": k, "group": k, "bits": 16, "flip": 0})
+            op.set_friendly_name(matmul.get_friendly_name())
+            matmul.output(0).replace(op.output(0))
+            done += 1
+            continue
         if found is None:
             continue
         w, z, scales, bits, n, k, group = found

@@ -246,7 +246,9 @@ class IntelSession(Session):
             from kvexport_intel.gemv import kernel, to_qgemv
 
             core.add_extension(str(gemv))
-            self.facts["decode_matmuls"] = f"{to_qgemv(model, gemv)} through kvexport's QGemv ({kernel(gemv)})"
+            floats = self.facts.get("weights") in ("fp32", "bf16")
+            self.facts["decode_matmuls"] = (f"{to_qgemv(model, gemv)} through kvexport's QGemv "
+                                            f"({kernel(gemv, floats)}{', bf16 copies of the f32 weights' if floats else ''})")
         if why is None:
             try:
                 compiled = core.compile_model(model, "CPU", config)

@@ -71,6 +71,11 @@ def test_doctor_shows_amx_numa_and_the_precision_it_would_pick() -> None:
     assert intel["decode_matmul"] == ("kvexport: kvexport's QGemv (AVX512-VNNI)" if vnni else
                                       "openvino: this CPU lacks AVX512-VNNI, which kvexport's decode matmul is written "
                                       "for: the plugin's matmuls (decode_matmul=kvexport runs its portable loops)")
+    bf16 = {"avx512f", "avx512bw", "avx512_bf16"} <= flags  # and bf16 weights' decode steps
+    assert intel["decode_matmul_bf16"] == ("kvexport: kvexport's QGemv (AVX512-BF16)" if bf16 else
+                                           "openvino: this CPU lacks AVX512-BF16, which kvexport's decode matmul is "
+                                           "written for: the plugin's matmuls (decode_matmul=kvexport runs its "
+                                           "portable loops)")
 
 
 @pytest.mark.parametrize(("extra", "match"), [

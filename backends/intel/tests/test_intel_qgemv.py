@@ -95,6 +95,67 @@ def test_op_matches_its_arithmetic(op_lib: Path, case: str, rows: int) -> None:
     assert np.abs(y - exact).max() < 0.03 * np.abs(exact).max()
 
 
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """f32 values' bf16 bit patterns (uint16), rounded to nearest even; a NaN stays a NaN."""
+    u = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), ((u >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+def _from_bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize(("n", "k"), [(41, 512), (37, 200), (19, 2144)])  # 200, 2144: tails of 8 and 96 values
+def test_op_bf16_matches_its_arithmetic(op_lib: Path, n: int, k: int, rows: int) -> None:
+    """bits 16: bf16 weights (the bytes of the copy kvexport_qgemv_bf16 makes of an f32 weight) against activations
+    rounded to bf16, products summed in f32: the bf16 matmul OpenVINO's own runs under a bf16 precision."""
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    wb = _bf16(w)
+    y = _run_op(op_lib, x, wb.reshape(-1).view(np.uint8), np.zeros(1, np.uint8), np.ones(1, np.float32), n=n, k=k,
+                group=k, bits=16)
+    want = _from_bf16(_bf16(x)).astype(np.float64) @ _from_bf16(wb).astype(np.float64).T
+    assert y.shape == (rows, n)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert np.abs(y - x.astype(np.float64) @ w.T.astype(np.float64)).max() > 1e-4  # bf16 really was read
+
+
+def test_op_library_rounds_f32_to_bf16_to_nearest_even(op_lib: Path) -> None:
+    """kvexport_qgemv_bf16, the copy of an f32 weight bits 16 read: ties to even, NaN kept, infinities kept."""
+    rng = np.random.default_rng(3)
+    values = np.concatenate([rng.standard_normal(200_003).astype(np.float32),  # over several of its runs
+                             np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), np.inf, -np.inf, np.nan, 0.0,
+                                       -0.0, 3.4e38, 1e-40], np.float32)])
+    got = gemv.to_bf16(op_lib, values).data.view(np.uint16)
+    np.testing.assert_array_equal(got, _bf16(values))
+    assert got[-10] == 0x3F80 and got[-9] == 0x3F82  # the two ties: down to even, up to even
+
+
+def test_float_matmuls_become_qgemv_over_bf16_copies(op_lib: Path) -> None:
+    """to_qgemv on a graph of f32 weights (an fp32/bf16 engine's IR): every X @ W^T over an f32 constant becomes the
+    op over a bf16 copy; the graph's output is the bf16 matmul's."""
+    import openvino as ov
+    import openvino.opset13 as opset
+
+    rng = np.random.default_rng(5)
+    w1, w2 = rng.standard_normal((96, 64)).astype(np.float32), rng.standard_normal((40, 96)).astype(np.float32)
+    x = opset.parameter([1, -1, 64], ov.Type.f32, name="x")
+    h = opset.matmul(x, opset.constant(w1), False, True)
+    model = ov.Model([opset.matmul(h, opset.constant(w2), False, True)], [x])
+    assert gemv.to_qgemv(model, op_lib) == 2
+    assert sum(op.get_type_name() == gemv.OP_TYPE for op in model.get_ops()) == 2
+    core = ov.Core()
+    core.add_extension(str(op_lib))
+    xs = rng.standard_normal((1, 3, 64)).astype(np.float32)
+    y = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(xs)[0]
+    bf = lambda a: _from_bf16(_bf16(a)).astype(np.float64)  # noqa: E731
+    want = bf(bf(xs[0]) @ bf(w1).T) @ bf(w2).T  # each op rounds its own input
+    np.testing.assert_allclose(y[0], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 def test_op_refuses_inputs_that_do_not_hold_its_weights(op_lib: Path) -> None:
     w = np.zeros(40 * 256 // 2, np.uint8)
     with pytest.raises(RuntimeError, match="do not hold N x K values"):
@@ -117,6 +178,9 @@ def test_portable_build_computes_as_this_one_does(op_lib: Path) -> None:
         done.stdout[-3000:] + done.stderr[-3000:]
     if os.environ.get("KVEXPORT_QGEMV_PORTABLE") != "1":
         assert gemv.kernel(op_lib) == ("AVX512-VNNI" if "avx512_vnni" in _flags() else "portable")
+        assert gemv.kernel(op_lib, bf16=True) == ("AVX512-BF16" if "avx512_bf16" in _flags() else "portable")
+    else:
+        assert gemv.kernel(op_lib) == gemv.kernel(op_lib, bf16=True) == "portable"
 
 
 def _flags() -> set[str]:
@@ -128,8 +192,19 @@ def _flags() -> set[str]:
 def test_choice_follows_the_option_the_weights_and_the_cpu(op_lib: Path) -> None:
     vnni = {"avx512f", "avx512bw", "avx512_vnni"}
     assert gemv.choose("openvino", vnni, "int4") == (False, "decode_matmul=openvino was asked for: the plugin's matmuls")
-    use, why = gemv.choose(None, vnni, "fp32")
-    assert not use and why.startswith("fp32 weights")
+    use, why = gemv.choose(None, vnni, "fp16")
+    assert not use and why.startswith("fp16 weights")
+    bf16 = vnni | {"avx512_bf16"}
+    for weights in ("fp32", "bf16"):  # float weights under bf16 activations: the op over bf16 copies
+        use, why = gemv.choose(None, bf16, weights, activations="fp32")
+        assert not use and why.startswith(f"{weights} weights at f32 activations: the plugin's f32 matmuls")
+        assert gemv.choose(None, bf16, weights, activations="bf16")[0]
+        use, why = gemv.choose(None, vnni, weights, activations="bf16")
+        assert not use and "lacks AVX512-BF16" in why
+        assert gemv.choose("kvexport", vnni, weights, activations="bf16")[0]  # asked for: the portable loops
+    assert gemv.choose(None, {"avx512f", "avx512bw", "avx512_bf16"}, "int8")[1].endswith(
+        "lacks AVX512-VNNI, which kvexport's decode matmul is written for: the plugin's matmuls "
+        "(decode_matmul=kvexport runs its portable loops)")
     use, why = gemv.choose("auto", {"avx2", "fma"}, "int4")
     assert not use and "lacks AVX512-VNNI" in why
     use, why = gemv.choose("kvexport", {"avx2", "fma"}, "int8")  # asked for: the portable loops where no VNNI

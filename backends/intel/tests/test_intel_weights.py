@@ -28,6 +28,7 @@ MAX_SEQ = 256  # verify's text windows: 64 tokens prefilled, 192 decoded
 MODES = {
     "fp32": BuildOptions(weights="fp32"),
     "int8": BuildOptions(weights="int8"),
+    "bf16": BuildOptions(weights="bf16"),
     "int4-g128": BuildOptions(weights="int4"),
     "int4-g32": BuildOptions(weights="int4", group_size=32),
     "int4-g128-sym": BuildOptions(weights="int4", extra={"int4_sym": "true"}),
@@ -274,16 +275,22 @@ def test_auto_never_picks_bf16_without_bf16_hardware() -> None:
 
 @pytest.mark.skipif(not isa.has_bf16(isa.read_cpu_flags()),
                     reason="OpenVINO runs bf16 only on CPUs with AMX-BF16 or AVX512-BF16; this one has neither")
+@pytest.mark.parametrize("decode_matmul", ["auto", "openvino"])
 def test_bf16_weights_run_in_bf16_and_pass_their_row(trained: Path, reference: Reference, builds: _Builds,
-                                                    tmp_path: Path) -> None:
-    from kvexport.build import build
-
-    art = build(trained, tmp_path / "bf16.kvx", target="intel", max_seq=MAX_SEQ,
-                options=BuildOptions(weights="bf16"), verify=False)
-    engine = kvexport.load(str(art))
+                                                    decode_matmul: str) -> None:
+    """bf16 weights at bf16 activations, decode steps through kvexport's QGemv over bf16 copies of the IR's f32
+    weights (auto, where the CPU has AVX512-BF16) and through the plugin's matmuls."""
+    engine = kvexport.load(str(builds["bf16"]), decode_matmul=decode_matmul)
     assert engine.session.describe()["precision"] == "bf16"
     report = verify_engine(engine, trained, reference=reference)
-    print(f"intel bf16 on this CPU: {report.text}")
+    facts = engine.session.facts
+    ours = decode_matmul == "auto" and "avx512_bf16" in isa.read_cpu_flags()
+    if ours:  # every matmul of the default model's 4 layers (qkv, o, gate_up, down) and the lm_head
+        assert facts["decode_matmuls"] == (f"{4 * 4 + 1} through kvexport's QGemv (AVX512-BF16, bf16 copies of the "
+                                           "f32 weights)"), facts["decode_matmuls"]
+    else:
+        assert "decode_matmuls" not in facts
+    print(f"intel bf16 on this CPU (decode_matmul={decode_matmul}): {report.text}")
     assert report.precision == "bf16" and report.passed, report.failures
     assert np.isfinite(report.text["mean_kl"]) and report.text["mean_kl"] > 0  # bf16 really ran
     # the cache held in bf16 (half of f32's bytes), so prompts take paged attention, which keeps no f32 cache

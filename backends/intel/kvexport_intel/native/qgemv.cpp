@@ -1,7 +1,8 @@
 // kvexport.QGemv: an OpenVINO extension op, Y[..., N] = X[..., K] @ dequant(W)^T over the weights NNCF compresses
 // asymmetrically, read where OpenVINO's IR keeps them (no copy, no repacking):
 //   bits 4: W u4 [N, K / group, group], zero points u4 [N, K / group, 1], scales [N, K / group, 1];
-//   bits 8: W u8 [N, K], zero points u8 [N, 1], scales [N, 1] (one group a row: INT8_ASYM).
+//   bits 8: W u8 [N, K], zero points u8 [N, 1], scales [N, 1] (one group a row: INT8_ASYM);
+//   bits 16: W bf16 [N, K] as bytes (kvexport_qgemv_bf16 rounds an f32 weight into it; zero points and scales unused).
 // The op takes the bytes as u8 tensors (two 4-bit values a byte, the even index in the low nibble, as the IR packs
 // them) and the scales as f16 or f32. With `flip` (INT4_SYM: signed 4-bit values, no zero points) each nibble is
 // XORed with 8, which turns a two's-complement v into v + 8, and the caller gives zero points of 8. kvexport_intel.gemv builds the decode form's graph with it where the engine's
@@ -15,6 +16,9 @@
 // the quantized activations:  sum_k s_w (w_k - z) s_a q_k = s_w (sum_k w_k s_a q_k - z sum_k s_a q_k).
 // A 4-bit row's 64 bytes hold 128 values; their low nibbles (even k) and high nibbles (odd k) each meet a copy of
 // the activations laid out to match (ActRow), so that a 32-bit lane sums 4 products of the same 32-block.
+//
+// bf16: the activations are rounded to bf16 (as the plugin's FullyConnected does under a bf16 inference precision)
+// and meet the weights in AVX512-BF16 dpbf16ps, 32 products a 64-byte load summed into f32 lanes.
 //
 // Rows are split over OpenVINO's threads (tbb::parallel_for in the plugin's arena); every row of X meets a block of
 // ROWS weight rows while they are in cache, so a few rows of X read the weights once.
@@ -40,10 +44,20 @@ constexpr int64_t QB = 32;    // activations' quantization block
 constexpr int64_t ROWS = 64;  // weight rows a task takes from one activation row before the next row's turn
 // runs of rows a thread: each a long sequential stream, a few a thread so that a late thread's share is taken up
 // (on the 2-core AMX Xeon, 8192 x 2048 int4: 14.1 GB/s with one run a thread, 16.0 with 4)
-constexpr int64_t PIECES = 4;
+#ifndef QGEMV_PIECES
+#define QGEMV_PIECES 4
+#endif
+constexpr int64_t PIECES = QGEMV_PIECES;
 // bytes ahead of the row's stream to prefetch: a weight row is 1 KB at K 2048, and the hardware's prefetchers stop
 // at every 4 KB page (one thread over 1 GB of int4 rows: 8.7 GB/s without, 9.6 with 1 KB, 18.9 with 2 KB on two)
 constexpr int64_t PF = 2048;
+#ifndef QGEMV_PF16
+#define QGEMV_PF16 2048
+#endif
+#ifndef QGEMV_HINT
+#define QGEMV_HINT _MM_HINT_T0
+#endif
+constexpr int64_t PF16 = QGEMV_PF16;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define QGEMV_VNNI 1
@@ -52,6 +66,28 @@ constexpr int64_t PF = 2048;
 #define QGEMV_VNNI 0
 #define QGEMV_KERNEL "portable"
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define QGEMV_BF16 1
+#define QGEMV_BF16_KERNEL "AVX512-BF16"
+#else
+#define QGEMV_BF16 0
+#define QGEMV_BF16_KERNEL "portable"
+#endif
+
+// f32 -> bf16, rounded to nearest even (a NaN stays a NaN)
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -86,9 +122,15 @@ struct ActRow {
                            // portable form's zero-point term)
   float total = 0.f;       // bits 8: sum over k of s_a q_k
   std::vector<float> gsum;  // bits 4: per weight group, the sum over its k of s_a q_k
+  std::vector<uint16_t> b;  // bits 16: x rounded to bf16
 };
 
 void quantize(const float* x, int64_t K, int64_t group, int bits, ActRow& a) {
+  if (bits == 16) {
+    a.b.resize(K);
+    for (int64_t k = 0; k < K; k++) a.b[k] = to_bf16(x[k]);
+    return;
+  }
   std::vector<int8_t> q(K);
   std::vector<float> s(K / QB);
   for (int64_t b = 0; b < K / QB; b++) {
@@ -146,6 +188,12 @@ struct Weights {
 
 // Row n of the weights against one activation row: the portable form (the vector kernels' reference).
 float row_portable(const Weights& W, const ActRow& a, int64_t n) {
+  if (W.bits == 16) {
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(W.w) + n * W.K;
+    float acc = 0.f;
+    for (int64_t k = 0; k < W.K; k++) acc += from_bf16(w[k]) * from_bf16(a.b[k]);
+    return acc;
+  }
   if (W.bits == 8) {
     const uint8_t* w = W.w + n * W.K;
     float acc = 0.f;
@@ -297,6 +345,39 @@ float row_vnni4_small(const Weights& W, const ActRow& a, int64_t n) {
 }
 #endif
 
+#if QGEMV_BF16
+// Row n of bf16 weights against one activation row in bf16: a dpbf16ps per 64 bytes (32 products summed in pairs
+// into 16 f32 lanes), four accumulators in turn, one sequential stream prefetched PF bytes ahead; K's tail below 32
+// values through masked loads.
+float row_bf16(const Weights& W, const ActRow& a, int64_t n) {
+  const int64_t K = W.K;
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(W.w) + n * K;
+  const uint16_t* x = a.b.data();
+  auto dot = [](__m512 acc, const uint16_t* p, const uint16_t* q) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(p), (__m512bh)_mm512_loadu_si512(q));
+  };
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128) {
+    const char* ahead = reinterpret_cast<const char*>(w + k) + PF16;
+    _mm_prefetch(ahead, QGEMV_HINT);
+    _mm_prefetch(ahead + 64, QGEMV_HINT);
+    _mm_prefetch(ahead + 128, QGEMV_HINT);
+    _mm_prefetch(ahead + 192, QGEMV_HINT);
+    a0 = dot(a0, w + k, x + k);
+    a1 = dot(a1, w + k + 32, x + k + 32);
+    a2 = dot(a2, w + k + 64, x + k + 64);
+    a3 = dot(a3, w + k + 96, x + k + 96);
+  }
+  for (; k + 32 <= K; k += 32) a0 = dot(a0, w + k, x + k);
+  if (k < K) {
+    const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(m, w + k), (__m512bh)_mm512_maskz_loadu_epi16(m, x + k));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#endif
+
 class QGemv : public ov::op::Op {
  public:
   OPENVINO_OP("QGemv", "kvexport");
@@ -309,13 +390,14 @@ class QGemv : public ov::op::Op {
 
   void validate_and_infer_types() override {
     NODE_VALIDATION_CHECK(this, get_input_size() == 4, "QGemv takes 4 inputs, got ", get_input_size());
-    NODE_VALIDATION_CHECK(this, bits_ == 4 || bits_ == 8, "bits must be 4 or 8");
+    NODE_VALIDATION_CHECK(this, bits_ == 4 || bits_ == 8 || bits_ == 16, "bits must be 4, 8 or 16 (bf16)");
     NODE_VALIDATION_CHECK(this, flip_ == 0 || bits_ == 4, "flip (signed values) is for 4 bits");
-    NODE_VALIDATION_CHECK(this, n_ > 0 && k_ > 0 && k_ % (bits_ == 4 ? 128 : 64) == 0,
+    NODE_VALIDATION_CHECK(this, n_ > 0 && k_ > 0 && k_ % (bits_ == 4 ? 128 : bits_ == 8 ? 64 : 1) == 0,
                           "K must be a positive multiple of 128 (4 bits) or 64 (8 bits)");
-    NODE_VALIDATION_CHECK(this, bits_ == 8 ? group_ == k_ : ((group_ == 32 || group_ == 64 || group_ % 128 == 0) &&
+    NODE_VALIDATION_CHECK(this, bits_ != 4 ? group_ == k_ : ((group_ == 32 || group_ == 64 || group_ % 128 == 0) &&
                                                             k_ % group_ == 0),
-                          "4 bits: the group must be 32, 64 or a multiple of 128 dividing K; 8 bits: one group a row");
+                          "4 bits: the group must be 32, 64 or a multiple of 128 dividing K; 8 or 16 bits: one "
+                          "group a row");
     for (size_t i : {1, 2})
       NODE_VALIDATION_CHECK(this, get_input_element_type(i) == ov::element::u8, "weights and zero points are u8 bytes");
     const auto st = get_input_element_type(3);
@@ -349,7 +431,8 @@ class QGemv : public ov::op::Op {
     if ((int64_t)xt.get_size() != M * K || xt.get_element_type() != ov::element::f32)
       OPENVINO_THROW("QGemv: X must be f32 with last dimension ", K);
     if ((int64_t)inputs[1].get_byte_size() != N * K * bits_ / 8 ||
-        (int64_t)inputs[2].get_byte_size() != (N * G * bits_ + 7) / 8 || (int64_t)inputs[3].get_size() != N * G)
+        (bits_ != 16 && ((int64_t)inputs[2].get_byte_size() != (N * G * bits_ + 7) / 8 ||
+                         (int64_t)inputs[3].get_size() != N * G)))
       OPENVINO_THROW("QGemv: the weights, zero points or scales do not hold N x K values in groups of ", group_);
     auto oshape = xt.get_shape();
     oshape.back() = N;
@@ -377,9 +460,16 @@ class QGemv : public ov::op::Op {
 
   static void rows(const Weights& W, const ActRow& a, int64_t n0, int64_t n1, float* y) {
     int64_t n = n0;
+#if QGEMV_BF16
+    if (W.bits == 16) {
+      for (; n < n1; n++) y[n] = row_bf16(W, a, n);
+      return;
+    }
+#endif
 #if QGEMV_VNNI
     float (*row)(const Weights&, const ActRow&, int64_t) =
-        W.bits == 8   ? row_vnni8
+        W.bits == 16  ? row_portable
+        : W.bits == 8 ? row_vnni8
         : W.flip      ? (W.group == 32 ? row_vnni4_small<32, true> : W.group == 64 ? row_vnni4_small<64, true>
                                                                                    : row_vnni4<true>)
         : W.group == 32 ? row_vnni4_small<32, false>
@@ -396,7 +486,18 @@ class QGemv : public ov::op::Op {
 
 }  // namespace
 
-// What the library's kernels compute with, for kvexport_intel.gemv.
+// What the library's kernels compute with, for kvexport_intel.gemv: 4/8-bit weights', bf16 weights'.
 extern "C" const char* kvexport_qgemv_kernel() { return QGEMV_KERNEL; }
+extern "C" const char* kvexport_qgemv_bf16_kernel() { return QGEMV_BF16_KERNEL; }
+
+// dst[i] = src[i] rounded to bf16 (nearest even), over n values in runs on the calling process's TBB threads: the
+// copy of an f32 weight that bits 16 read.
+extern "C" void kvexport_qgemv_bf16(const float* src, uint16_t* dst, int64_t n) {
+  constexpr int64_t RUN = 1 << 16;
+  tbb::parallel_for(int64_t(0), (n + RUN - 1) / RUN, [&](int64_t r) {
+    const int64_t i1 = std::min(n, (r + 1) * RUN);
+    for (int64_t i = r * RUN; i < i1; i++) dst[i] = to_bf16(src[i]);
+  });
+}
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<QGemv>>()}));
