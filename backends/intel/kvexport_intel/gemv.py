@@ -7,6 +7,10 @@ The op `kvexport.QGemv` (kvexport_intel/native/qgemv.cpp) computes such a matmul
 them (u4 or u8 values, u4 or u8 zero points, f16 scales: no copy, no repacking), with AVX512-VNNI dot products over
 activations quantized to int8 per 32 values, as the plugin's own dynamic quantization does.
 
+Under bf16 activations the op also takes the f32 weights an fp32/bf16 engine's IR holds (bits 16): the decode form
+reads a bf16 copy of each, which the op's library rounds at load (kvexport_qgemv_bf16: nearest even, as the plugin's
+own conversion), with AVX512-BF16 dot products (on the AMX Xeon 1.12x the plugin's bf16 matmuls on bench-1b).
+
 It replaces the compressed matmuls of the paged form that runs decode steps (PagedRows' request); prompts run a
 second paged form over the same block caches with the plugin's matmuls (its AMX kernels are faster for many
 rows), as do steps of more than GEMV_ROWS rows. The op is compiled like the i8 cache's (kvexport_intel.extension).

@@ -44,20 +44,13 @@ constexpr int64_t QB = 32;    // activations' quantization block
 constexpr int64_t ROWS = 64;  // weight rows a task takes from one activation row before the next row's turn
 // runs of rows a thread: each a long sequential stream, a few a thread so that a late thread's share is taken up
 // (on the 2-core AMX Xeon, 8192 x 2048 int4: 14.1 GB/s with one run a thread, 16.0 with 4)
-#ifndef QGEMV_PIECES
-#define QGEMV_PIECES 4
-#endif
-constexpr int64_t PIECES = QGEMV_PIECES;
+constexpr int64_t PIECES = 4;
 // bytes ahead of the row's stream to prefetch: a weight row is 1 KB at K 2048, and the hardware's prefetchers stop
 // at every 4 KB page (one thread over 1 GB of int4 rows: 8.7 GB/s without, 9.6 with 1 KB, 18.9 with 2 KB on two)
 constexpr int64_t PF = 2048;
-#ifndef QGEMV_PF16
-#define QGEMV_PF16 2048
-#endif
-#ifndef QGEMV_HINT
-#define QGEMV_HINT _MM_HINT_T0
-#endif
-constexpr int64_t PF16 = QGEMV_PF16;
+// bf16 rows the same (a C driver over 1 GB of bf16 rows, two threads: 23-25 GB/s at 1-2 KB ahead, 15-17 at 4-8 KB,
+// 10 with non-temporal prefetches; to L2 instead of L1 no different)
+constexpr int64_t PF16 = 2048;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define QGEMV_VNNI 1
@@ -122,13 +115,17 @@ struct ActRow {
                            // portable form's zero-point term)
   float total = 0.f;       // bits 8: sum over k of s_a q_k
   std::vector<float> gsum;  // bits 4: per weight group, the sum over its k of s_a q_k
-  std::vector<uint16_t> b;  // bits 16: x rounded to bf16
+  std::vector<uint16_t> b;  // bits 16: x rounded to bf16, from bf16() on (aligned to 64 bytes: no load splits a line)
+  const uint16_t* bf16() const {
+    return reinterpret_cast<const uint16_t*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t(63));
+  }
 };
 
 void quantize(const float* x, int64_t K, int64_t group, int bits, ActRow& a) {
   if (bits == 16) {
-    a.b.resize(K);
-    for (int64_t k = 0; k < K; k++) a.b[k] = to_bf16(x[k]);
+    a.b.resize(K + 32);
+    uint16_t* xb = const_cast<uint16_t*>(a.bf16());
+    for (int64_t k = 0; k < K; k++) xb[k] = to_bf16(x[k]);
     return;
   }
   std::vector<int8_t> q(K);
@@ -191,7 +188,8 @@ float row_portable(const Weights& W, const ActRow& a, int64_t n) {
   if (W.bits == 16) {
     const uint16_t* w = reinterpret_cast<const uint16_t*>(W.w) + n * W.K;
     float acc = 0.f;
-    for (int64_t k = 0; k < W.K; k++) acc += from_bf16(w[k]) * from_bf16(a.b[k]);
+    const uint16_t* x = a.bf16();
+    for (int64_t k = 0; k < W.K; k++) acc += from_bf16(w[k]) * from_bf16(x[k]);
     return acc;
   }
   if (W.bits == 8) {
@@ -352,7 +350,7 @@ float row_vnni4_small(const Weights& W, const ActRow& a, int64_t n) {
 float row_bf16(const Weights& W, const ActRow& a, int64_t n) {
   const int64_t K = W.K;
   const uint16_t* w = reinterpret_cast<const uint16_t*>(W.w) + n * K;
-  const uint16_t* x = a.b.data();
+  const uint16_t* x = a.bf16();
   auto dot = [](__m512 acc, const uint16_t* p, const uint16_t* q) {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(p), (__m512bh)_mm512_loadu_si512(q));
   };
@@ -360,10 +358,10 @@ float row_bf16(const Weights& W, const ActRow& a, int64_t n) {
   int64_t k = 0;
   for (; k + 128 <= K; k += 128) {
     const char* ahead = reinterpret_cast<const char*>(w + k) + PF16;
-    _mm_prefetch(ahead, QGEMV_HINT);
-    _mm_prefetch(ahead + 64, QGEMV_HINT);
-    _mm_prefetch(ahead + 128, QGEMV_HINT);
-    _mm_prefetch(ahead + 192, QGEMV_HINT);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    _mm_prefetch(ahead + 128, _MM_HINT_T0);
+    _mm_prefetch(ahead + 192, _MM_HINT_T0);
     a0 = dot(a0, w + k, x + k);
     a1 = dot(a1, w + k + 32, x + k + 32);
     a2 = dot(a2, w + k + 64, x + k + 64);
