@@ -380,8 +380,12 @@ class IntelBackend(Backend):
         session.cache_twin = cache_twin
         from kvexport_intel import gemv
 
-        use, facts["decode_matmul"] = gemv.choose(_given(options, "decode_matmul"), flags, facts["weights"],
-                                                  activations=precision)
+        asked = _given(options, "decode_matmul")
+        use, facts["decode_matmul"] = gemv.choose(asked, flags, facts["weights"], activations=precision)
+        if use and facts["weights"] in ("fp32", "bf16"):  # the f32 IR's bf16 copy: half its weight file's bytes
+            use, why = gemv.copy_fits(asked, (folder / ENGINE_DIR / lowering.BIN).stat().st_size // 2,
+                                      gemv.available_memory())
+            facts["decode_matmul"] = why or facts["decode_matmul"]
         session.decode_gemv = gemv.library() if use else None
         session.batch_rows = str(options.get("batch_rows") or "paged")
         if paged_min is not None:

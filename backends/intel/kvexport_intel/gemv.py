@@ -108,6 +108,30 @@ def choose(asked: str | None, flags: set[str], weights: str | None, compile: boo
     return True, f"kvexport's QGemv ({kernel(lib, floats)})"
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says a new allocation can take (/proc/meminfo's MemAvailable); None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def copy_fits(asked: str | None, copy_bytes: int, available: int | None) -> tuple[bool, str | None]:
+    """Whether float weights' decode steps may take the op, whose bf16 copy (`copy_bytes`) is a second copy of the
+    weights beside the plugin's: under auto only while it takes at most half the memory `available`, so that a model
+    whose one bf16 copy fits this machine is not pushed out of it by the second (decode_matmul=kvexport takes it
+    anyway). Returns (fits, why not)."""
+    if (asked or "auto") != "auto" or available is None or 2 * copy_bytes <= available:
+        return True, None
+    gib = 2 ** 30
+    return False, (f"the decode matmul's bf16 copy of the weights ({copy_bytes / gib:.1f} GiB, a second copy beside "
+                   f"the plugin's) would take more than half of the memory available ({available / gib:.1f} GiB): "
+                   "the plugin's matmuls (decode_matmul=kvexport takes it anyway)")
+
+
 def _bytes(node: Any) -> Any:
     """A u8 Constant over a Constant's bytes (the IR's own memory, not a copy)."""
     import openvino as ov

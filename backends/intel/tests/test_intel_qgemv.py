@@ -214,6 +214,18 @@ def test_choice_follows_the_option_the_weights_and_the_cpu(op_lib: Path) -> None
         gemv.choose("mlas", vnni, "int4")
 
 
+def test_a_bf16_copy_is_made_only_where_it_fits_twice_in_the_memory_available() -> None:
+    """Float weights' decode steps read a second copy of the weights: auto takes the op only while that copy is at
+    most half of the memory available (a model whose one bf16 copy fits is not pushed out by the second)."""
+    gib = 2 ** 30
+    assert gemv.copy_fits(None, 2 * gib, 4 * gib) == (True, None)
+    fits, why = gemv.copy_fits("auto", 2 * gib + 1, 4 * gib)
+    assert not fits and "(2.0 GiB, a second copy beside the plugin's)" in why and "available (4.0 GiB)" in why
+    assert gemv.copy_fits("kvexport", 16 * gib, 4 * gib) == (True, None)  # asked for: made anyway
+    assert gemv.copy_fits(None, 16 * gib, None) == (True, None)  # no /proc/meminfo: nothing to judge by
+    assert gemv.available_memory() is None or gemv.available_memory() > 0
+
+
 def test_without_a_compiler_auto_keeps_the_plugins_matmuls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))

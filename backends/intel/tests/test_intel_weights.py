@@ -304,6 +304,23 @@ def test_bf16_weights_run_in_bf16_and_pass_their_row(trained: Path, reference: R
     assert report.other_text["path"].startswith("one stateful call"), report.other_text["path"]
 
 
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16"} <= isa.read_cpu_flags(),
+                    reason="bf16 decode steps take kvexport's QGemv by default only where the CPU has AVX512-BF16")
+def test_bf16_engines_keep_one_copy_where_a_second_would_not_fit(builds: _Builds,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load judges the bf16 copy against the memory available (here made to look small): auto keeps the
+    plugin's matmuls and says why; decode_matmul=kvexport makes the copy anyway."""
+    from kvexport_intel import gemv
+
+    monkeypatch.setattr(gemv, "available_memory", lambda: 1024)
+    engine = kvexport.load(str(builds["bf16"]))
+    assert "would take more than half of the memory available" in engine.session.facts["decode_matmul"]
+    assert engine.session.decode_gemv is None and "decode_matmuls" not in engine.session.facts
+    asked = kvexport.load(str(builds["bf16"]), decode_matmul="kvexport")
+    asked.generate([5, 6, 7], max_new_tokens=2)
+    assert asked.session.facts["decode_matmuls"].startswith("17 through kvexport's QGemv")
+
+
 def _weight_tensors(artifact: Path) -> dict[str, np.ndarray]:
     """The compressed IR's low-bit constants by name (weights and zero points)."""
     import openvino as ov
