@@ -373,7 +373,8 @@ class IntelBackend(Backend):
             # its prompts paged as the engine's are, so that an i8 twin holds i8 blocks (its state would be u8)
             twin.model_path, twin.compile_config = str(xml), twin_config
             twin.paged_prefill_min, twin.paged_split = session.paged_prefill_min, session.paged_split
-            twin.prompt_split, twin.decode_gemv = session.prompt_split, session.decode_gemv
+            twin.prompt_split = session.prompt_split  # float weights at f32: the plugin's matmuls (gemv.choose)
+            twin.decode_gemv = None if facts["weights"] in ("fp32", "bf16") else session.decode_gemv
             twin.state_names, twin.windows = session.state_names, session.windows
             return twin
 

@@ -200,10 +200,12 @@ def float_weight(matmul: Any) -> tuple[Any, int, int] | None:
     return w, n, k
 
 
-def to_qgemv(model: Any, lib: Path) -> int:
-    """Replace every MatMul over a compressed weight the op takes (compressed_weight), or over an f32 weight
-    (float_weight: the op then reads a bf16 copy the library rounds, the only copy this form holds), by kvexport's
-    QGemv over the same constants' bytes, in place; returns how many were replaced."""
+def to_qgemv(model: Any, lib: Path, floats: bool = False) -> int:
+    """Replace every MatMul over a compressed weight the op takes (compressed_weight), and with `floats` (an fp32/bf16
+    engine run at bf16 activations) every one over an f32 weight (float_weight: the op then reads a bf16 copy the
+    library rounds, the only copy this form holds), by kvexport's QGemv over the same constants' bytes, in place;
+    returns how many were replaced. Without `floats` an f32 weight keeps the plugin's matmul (a compressed engine's
+    uncompressed layer, or any run at f32 activations, stays exact)."""
     import openvino as ov
     from openvino.utils.node_factory import NodeFactory
 
@@ -213,9 +215,9 @@ def to_qgemv(model: Any, lib: Path) -> int:
     unused = None
     for matmul in [op for op in model.get_ordered_ops() if op.get_type_name() == "MatMul"]:
         found = compressed_weight(matmul)
-        floats = float_weight(matmul) if found is None else None
-        if floats is not None:
-            w, n, k = floats
+        plain = float_weight(matmul) if found is None and floats else None
+        if plain is not None:
+            w, n, k = plain
             if unused is None:  # bf16 reads neither zero points nor scales
                 unused = (ov.op.Constant(np.zeros(1, np.uint8)).output(0), ov.op.Constant(np.ones(1, np.float32)).output(0))
             copy = ov.op.Constant(to_bf16(lib, w.get_data()), shared_memory=True)

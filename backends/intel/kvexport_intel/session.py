@@ -246,8 +246,9 @@ class IntelSession(Session):
             from kvexport_intel.gemv import kernel, to_qgemv
 
             core.add_extension(str(gemv))
-            floats = self.facts.get("weights") in ("fp32", "bf16")
-            self.facts["decode_matmuls"] = (f"{to_qgemv(model, gemv)} through kvexport's QGemv "
+            # float weights take the op only under bf16 activations (an engine's f32 twin keeps them exact)
+            floats = self.facts.get("weights") in ("fp32", "bf16") and self.facts.get("precision") == "bf16"
+            self.facts["decode_matmuls"] = (f"{to_qgemv(model, gemv, floats)} through kvexport's QGemv "
                                             f"({kernel(gemv, floats)}{', bf16 copies of the f32 weights' if floats else ''})")
         if why is None:
             try:
