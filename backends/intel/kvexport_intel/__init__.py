@@ -63,10 +63,11 @@ OPTIONS = (
            "OpenVINO GenAI runs); 0 turns it off (the activations' own precision into the decompressed weights)",
            phase="load"),
     Option("decode_matmul", "str", "auto", "int8/int4 weights, and bf16 ones (or f32 ones run at bf16): what "
-           "computes a decode step's matmuls in the paged form: kvexport (kvexport's QGemv over the IR's own compressed "
-           "weights, AVX512-VNNI, or over a bf16 copy of its f32 weights, AVX512-BF16; prompts then run a second paged "
-           "form with the plugin's matmuls), openvino (the plugin's), or auto (kvexport where the CPU has that "
-           "instruction set and a C++ compiler is on PATH)", choices=("auto", "kvexport", "openvino"), phase="load"),
+           "computes a decode step's matmuls in the paged form: kvexport (kvexport's QGemv over the IR's own "
+           "compressed weights, AVX512-VNNI, or over a bf16 copy of its f32 weights, AVX512-BF16; prompts then run a "
+           "second paged form with the plugin's matmuls), openvino (the plugin's), or auto (kvexport where the CPU has "
+           "that instruction set and a C++ compiler is on PATH)", choices=("auto", "kvexport", "openvino"),
+           phase="load"),
     Option("huge_pages", "bool", True, "place the weights the plugin prepares (its repacked or converted copies, made "
            "at load by one warm-up token) in huge pages", phase="load"),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
@@ -365,6 +366,7 @@ class IntelBackend(Backend):
             facts["ring"] = {"window": ring.window, "layers": sorted(ring.layers)}
         session = self._session(compiled, manifest, facts, ring)
         session.model_path, session.compile_config = str(xml), config
+        from kvexport_intel import gemv
 
         def cache_twin(cache: str) -> IntelSession:  # the same engine at f32 activations with `cache`
             twin_config = _compile_config("fp32", cache, int(threads), pinned=True, compressed=compressed)
@@ -374,16 +376,14 @@ class IntelBackend(Backend):
             twin.model_path, twin.compile_config = str(xml), twin_config
             twin.paged_prefill_min, twin.paged_split = session.paged_prefill_min, session.paged_split
             twin.prompt_split = session.prompt_split  # float weights at f32: the plugin's matmuls (gemv.choose)
-            twin.decode_gemv = None if facts["weights"] in ("fp32", "bf16") else session.decode_gemv
+            twin.decode_gemv = None if facts["weights"] in gemv.FLOAT_WEIGHTS else session.decode_gemv
             twin.state_names, twin.windows = session.state_names, session.windows
             return twin
 
         session.cache_twin = cache_twin
-        from kvexport_intel import gemv
-
         asked = _given(options, "decode_matmul")
         use, facts["decode_matmul"] = gemv.choose(asked, flags, facts["weights"], activations=precision)
-        if use and facts["weights"] in ("fp32", "bf16"):  # the f32 IR's bf16 copy: half its weight file's bytes
+        if use and gemv.bf16_copies(facts["weights"], precision):  # the f32 IR's bf16 copy: half its file's bytes
             use, why = gemv.copy_fits(asked, (folder / ENGINE_DIR / lowering.BIN).stat().st_size // 2,
                                       gemv.available_memory())
             facts["decode_matmul"] = why or facts["decode_matmul"]

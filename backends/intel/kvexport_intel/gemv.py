@@ -18,6 +18,7 @@ rows), as do steps of more than GEMV_ROWS rows. The op is compiled like the i8 c
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import numpy as np
 
 from kvexport.errors import BackendUnavailableError
 from kvexport_intel.extension import NATIVE, compile_op, missing_compiler
+from kvexport_intel.isa import PRECISIONS
 
 SOURCE = NATIVE / "qgemv.cpp"
 OP_TYPE = "QGemv"
@@ -35,6 +37,7 @@ OP_TYPE = "QGemv"
 # rows, 1.89x at 3, 2.28x at 4: about the plugin's step at 2 rows, slower from 3.
 GEMV_ROWS = 2
 CHOICES = ("auto", "kvexport", "openvino")
+FLOAT_WEIGHTS = PRECISIONS  # fp32/bf16 artifacts, whose IR holds f32 weights: the op reads bf16 copies of them
 # a build of the op a process may ask for through its environment, so that the loops other CPUs run are tested on
 # this one: KVEXPORT_QGEMV_PORTABLE=1 without AVX512-VNNI (one build a process: two would register the same op)
 VARIANTS = {"KVEXPORT_QGEMV_PORTABLE": ("-mno-avx512vnni", "-mno-avx512bf16")}
@@ -55,6 +58,19 @@ def kernel(lib: Path, bf16: bool = False) -> str:
     return said().decode()
 
 
+def bf16_copies(weights: str | None, activations: str | None) -> bool:
+    """Whether the decode form's f32 weights become the op's bf16 copies: float weights run at bf16 activations."""
+    return weights in FLOAT_WEIGHTS and activations == "bf16"
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_converter(lib: Path) -> Any:
+    convert = ctypes.CDLL(str(lib)).kvexport_qgemv_bf16
+    convert.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    convert.restype = None
+    return convert
+
+
 def to_bf16(lib: Path, values: np.ndarray) -> Any:
     """`values` (f32) rounded to bf16 (nearest even) by the op's library, as the bytes of an OpenVINO u8 tensor (memory
     OpenVINO owns: a Constant over it keeps it, where one over a numpy array's memory would not keep the array)."""
@@ -62,10 +78,7 @@ def to_bf16(lib: Path, values: np.ndarray) -> Any:
 
     src = np.ascontiguousarray(values, dtype=np.float32)
     dst = ov.Tensor(ov.Type.u8, ov.Shape([src.size * 2]))
-    convert = ctypes.CDLL(str(lib)).kvexport_qgemv_bf16
-    convert.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
-    convert.restype = None
-    convert(src.ctypes.data, dst.data.ctypes.data, src.size)
+    _bf16_converter(lib)(src.ctypes.data, dst.data.ctypes.data, src.size)
     return dst
 
 
@@ -83,7 +96,7 @@ def choose(asked: str | None, flags: set[str], weights: str | None, compile: boo
         raise InputError(f"decode_matmul must be one of {', '.join(CHOICES)}, not {asked!r}")
     if asked == "openvino":
         return False, "decode_matmul=openvino was asked for: the plugin's matmuls"
-    floats = weights in ("fp32", "bf16")
+    floats = weights in FLOAT_WEIGHTS
     if not floats and weights not in ("int8", "int4"):
         return False, f"{weights} weights: the plugin's matmuls (kvexport's decode matmul takes int8/int4/bf16 weights)"
     if floats and activations != "bf16":
@@ -188,7 +201,8 @@ def compressed_weight(matmul: Any) -> tuple[Any, Any, Any, int, int, int, int] |
 
 
 def float_weight(matmul: Any) -> tuple[Any, int, int] | None:
-    """(constant, N, K) of a MatMul X @ W^T whose W is an f32 Constant [N, K] (the IR's fp32/bf16 engines); else None."""
+    """(constant, N, K) of a MatMul X @ W^T whose W is an f32 Constant [N, K] (the IR of fp32/bf16 engines), else
+    None."""
     import openvino as ov
 
     attrs = matmul.get_attributes()
@@ -219,7 +233,8 @@ def to_qgemv(model: Any, lib: Path, floats: bool = False) -> int:
         if plain is not None:
             w, n, k = plain
             if unused is None:  # bf16 reads neither zero points nor scales
-                unused = (ov.op.Constant(np.zeros(1, np.uint8)).output(0), ov.op.Constant(np.ones(1, np.float32)).output(0))
+                unused = (ov.op.Constant(np.zeros(1, np.uint8)).output(0),
+                          ov.op.Constant(np.ones(1, np.float32)).output(0))
             copy = ov.op.Constant(to_bf16(lib, w.get_data()), shared_memory=True)
             op = factory.create(OP_TYPE, [matmul.input_value(0), copy.output(0), *unused],
                                 {"n": n, "k": k, "group": k, "bits": 16, "flip": 0})

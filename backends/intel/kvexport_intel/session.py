@@ -243,11 +243,11 @@ class IntelSession(Session):
             self.facts["paged_attention"] = f"kvexport's Int8PagedAttention over int8 blocks ({swapped} layers)"
             self.facts["i8_kernels"] = kernels(lib, self.head_dim)
         if why is None and gemv is not None:
-            from kvexport_intel.gemv import kernel, to_qgemv
+            from kvexport_intel.gemv import bf16_copies, kernel, to_qgemv
 
             core.add_extension(str(gemv))
             # float weights take the op only under bf16 activations (an engine's f32 twin keeps them exact)
-            floats = self.facts.get("weights") in ("fp32", "bf16") and self.facts.get("precision") == "bf16"
+            floats = bf16_copies(self.facts.get("weights"), self.facts.get("precision"))
             self.facts["decode_matmuls"] = (f"{to_qgemv(model, gemv, floats)} through kvexport's QGemv "
                                             f"({kernel(gemv, floats)}{', bf16 copies of the f32 weights' if floats else ''})")
         if why is None:

@@ -1,12 +1,13 @@
-// kvexport.QGemv: an OpenVINO extension op, Y[..., N] = X[..., K] @ dequant(W)^T over the weights NNCF compresses
-// asymmetrically, read where OpenVINO's IR keeps them (no copy, no repacking):
+// kvexport.QGemv: an OpenVINO extension op, Y[..., N] = X[..., K] @ dequant(W)^T over the weights NNCF compresses,
+// read where OpenVINO's IR keeps them (no copy, no repacking), or over a bf16 copy of an f32 weight:
 //   bits 4: W u4 [N, K / group, group], zero points u4 [N, K / group, 1], scales [N, K / group, 1];
 //   bits 8: W u8 [N, K], zero points u8 [N, 1], scales [N, 1] (one group a row: INT8_ASYM);
 //   bits 16: W bf16 [N, K] as bytes (kvexport_qgemv_bf16 rounds an f32 weight into it; zero points and scales unused).
 // The op takes the bytes as u8 tensors (two 4-bit values a byte, the even index in the low nibble, as the IR packs
 // them) and the scales as f16 or f32. With `flip` (INT4_SYM: signed 4-bit values, no zero points) each nibble is
-// XORed with 8, which turns a two's-complement v into v + 8, and the caller gives zero points of 8. kvexport_intel.gemv builds the decode form's graph with it where the engine's
-// weights are compressed so; prompts keep OpenVINO's FullyConnected (its AMX kernels).
+// XORed with 8, which turns a two's-complement v into v + 8, and the caller gives zero points of 8.
+// kvexport_intel.gemv builds the decode form's graph with it; prompts keep OpenVINO's FullyConnected (its AMX
+// kernels).
 //
 // Why: at batch 1 a decode step streams every weight once. On the 2-core AMX Xeon the plugin's 4-bit kernel read
 // bench-1b's int4 weights at ~12 GB/s (docs/performance.md), below the memory's rate, while kvexport's own 4-bit
@@ -370,7 +371,8 @@ float row_bf16(const Weights& W, const ActRow& a, int64_t n) {
   for (; k + 32 <= K; k += 32) a0 = dot(a0, w + k, x + k);
   if (k < K) {
     const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
-    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(m, w + k), (__m512bh)_mm512_maskz_loadu_epi16(m, x + k));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(m, w + k),
+                          (__m512bh)_mm512_maskz_loadu_epi16(m, x + k));
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
