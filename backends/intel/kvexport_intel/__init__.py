@@ -68,6 +68,11 @@ OPTIONS = (
            "second paged form with the plugin's matmuls), openvino (the plugin's), or auto (kvexport where the CPU has "
            "that instruction set and a C++ compiler is on PATH)", choices=("auto", "kvexport", "openvino"),
            phase="load"),
+    Option("prompt_matmul", "str", "auto", "float weights whose decode steps read kvexport's bf16 copies "
+           "(decode_matmul): what computes the steps of more than two rows (prompts, batches): kvexport (the same "
+           "op over the same copies through AMX-BF16 tiles: one paged form, one copy of the weights), openvino (a "
+           "second paged form with the plugin's matmuls, which prepares a second copy), or auto (kvexport where the "
+           "CPU has AMX-BF16)", choices=("auto", "kvexport", "openvino"), phase="load"),
     Option("huge_pages", "bool", True, "place the weights the plugin prepares (its repacked or converted copies, made "
            "at load by one warm-up token) in huge pages", phase="load"),
     Option("ring_cache", "bool", True, "sliding-window layers keep a ring of window slots in the state (past max_seq "
@@ -383,10 +388,17 @@ class IntelBackend(Backend):
         session.cache_twin = cache_twin
         asked = _given(options, "decode_matmul")
         use, facts["decode_matmul"] = gemv.choose(asked, flags, facts["weights"], activations=precision)
-        if use and gemv.bf16_copies(facts["weights"], precision):  # the f32 IR's bf16 copy: half its file's bytes
-            use, why = gemv.copy_fits(asked, (folder / ENGINE_DIR / lowering.BIN).stat().st_size // 2,
-                                      gemv.available_memory())
-            facts["decode_matmul"] = why or facts["decode_matmul"]
+        asked_rows = _given(options, "prompt_matmul")
+        if use and gemv.bf16_copies(facts["weights"], precision):
+            session.gemv_rows, facts["prompt_matmul"] = gemv.choose_rows(asked_rows, gemv.library())
+            if not session.gemv_rows:  # the plugin's second form prepares a copy too: will both fit?
+                use, why = gemv.copy_fits(asked, (folder / ENGINE_DIR / lowering.BIN).stat().st_size // 2,
+                                          gemv.available_memory())  # the f32 IR's bf16 copy: half its file's bytes
+                facts["decode_matmul"] = why or facts["decode_matmul"]
+        elif asked_rows == "kvexport":
+            raise InputError("prompt_matmul=kvexport reads the bf16 copies that float weights' decode steps take at "
+                             f"bf16 activations, and this engine's decode steps have none ({facts['decode_matmul']}): "
+                             "load without prompt_matmul")
         session.decode_gemv = gemv.library() if use else None
         session.batch_rows = str(options.get("batch_rows") or "paged")
         if paged_min is not None:
@@ -421,6 +433,7 @@ class IntelBackend(Backend):
         kv_int8, why = int8_format(flags, compile=False)
         ours, matmul_why = choose(None, flags, "int4", compile=False)
         ours16, matmul16_why = choose(None, flags, "bf16", compile=False, activations="bf16")
+        amx16 = ours16 and {"amx_tile", "amx_bf16"} <= flags
         return {"openvino": _openvino_version(), "amx": "present" if isa.has_amx(flags) else "absent",
                 "isa": isa.isa_report(flags), "would_pick_precision": isa.why_precision(flags),
                 "kv_int8": f"{kv_int8}: {why}",  # the format --kv int8 would hold here
@@ -428,6 +441,10 @@ class IntelBackend(Backend):
                 "decode_matmul": f"{'kvexport' if ours else 'openvino'}: {matmul_why}",
                 # and bf16 weights' (or f32 ones run at bf16), where the CPU runs bf16
                 "decode_matmul_bf16": f"{'kvexport' if ours16 else 'openvino'}: {matmul16_why}",
+                # and what their prompts run (the load option prompt_matmul's auto)
+                "prompt_matmul_bf16": ("kvexport: kvexport's QGemv (AMX-BF16) over the decode steps' bf16 copies"
+                                       if amx16 else "openvino: the plugin's matmuls (kvexport's need AMX-BF16 and "
+                                       "its decode matmul)"),
                 "numa_nodes": {n.id: list(n.cpus) for n in topo.nodes},
                 "offline_cpus": list(topo.offline)}
 

@@ -13,19 +13,22 @@ own conversion), with AVX512-BF16 dot products (on the AMX Xeon 1.12x the plugin
 
 It replaces the compressed matmuls of the paged form that runs decode steps (PagedRows' request); prompts run a
 second paged form over the same block caches with the plugin's matmuls (its AMX kernels are faster for many
-rows), as do steps of more than GEMV_ROWS rows. The op is compiled like the i8 cache's (kvexport_intel.extension).
+rows), as do steps of more than GEMV_ROWS rows. Over bf16 copies, where the op was compiled for AMX-BF16, its tiles
+take those steps instead (choose_rows): one paged form then runs every step over the one copy, where the plugin's
+second form would prepare a second. The op is compiled like the i8 cache's (kvexport_intel.extension).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvexport.errors import BackendUnavailableError
+from kvexport.errors import BackendUnavailableError, InputError
 from kvexport_intel.extension import NATIVE, compile_op, missing_compiler
 from kvexport_intel.isa import PRECISIONS
 
@@ -54,6 +57,15 @@ def kernel(lib: Path, bf16: bool = False) -> str:
     """What the library computes with, as compiled for this CPU: int8/int4 weights "AVX512-VNNI" or "portable", bf16
     weights (bf16=True) "AVX512-BF16" or "portable"."""
     said = getattr(ctypes.CDLL(str(lib)), "kvexport_qgemv_bf16_kernel" if bf16 else "kvexport_qgemv_kernel")
+    said.restype = ctypes.c_char_p
+    return said().decode()
+
+
+def rows_kernel(lib: Path) -> str:
+    """What the library's steps of more than GEMV_ROWS rows (prompts) over bf16 weights compute with: "AMX-BF16" where
+    it was compiled for AMX and the kernel lends this process the tiles, else "" (a row at a time, as decode
+    steps)."""
+    said = ctypes.CDLL(str(lib)).kvexport_qgemv_bf16_rows_kernel
     said.restype = ctypes.c_char_p
     return said().decode()
 
@@ -91,8 +103,6 @@ def choose(asked: str | None, flags: set[str], weights: str | None, compile: boo
     the op."""
     asked = asked or "auto"
     if asked not in CHOICES:
-        from kvexport.errors import InputError
-
         raise InputError(f"decode_matmul must be one of {', '.join(CHOICES)}, not {asked!r}")
     if asked == "openvino":
         return False, "decode_matmul=openvino was asked for: the plugin's matmuls"
@@ -121,6 +131,25 @@ def choose(asked: str | None, flags: set[str], weights: str | None, compile: boo
     return True, f"kvexport's QGemv ({kernel(lib, floats)})"
 
 
+def choose_rows(asked: str | None, lib: Path) -> tuple[bool, str]:
+    """Whether steps of more than GEMV_ROWS rows (prompts, batches) of a float engine whose decode steps read the op's
+    bf16 copies take the op too (`asked`: the load option prompt_matmul, None for auto), and why: its AMX-BF16 tiles,
+    over the same copies, in the same paged form; else a second form with the plugin's matmuls, which prepares a
+    second copy. On the AMX Xeon, bench-1b's prompts took as long either way (docs/performance.md)."""
+    asked = asked or "auto"
+    if asked not in CHOICES:
+        raise InputError(f"prompt_matmul must be one of {', '.join(CHOICES)}, not {asked!r}")
+    if asked == "openvino":
+        return False, "prompt_matmul=openvino was asked for: a second paged form with the plugin's matmuls"
+    if rows_kernel(lib) != "AMX-BF16":
+        why = "kvexport's prompt matmul is written for AMX-BF16, which this CPU (or its kernel) does not lend"
+        if asked == "kvexport":
+            raise BackendUnavailableError(f"{why}: load with prompt_matmul=auto or openvino")
+        return False, f"{why}: a second paged form with the plugin's matmuls"
+    return True, ("kvexport's QGemv (AMX-BF16) over the decode steps' bf16 copies: one paged form, one copy of the "
+                  "weights")
+
+
 def available_memory() -> int | None:
     """Bytes of memory the kernel says a new allocation can take (/proc/meminfo's MemAvailable); None where unknown."""
     try:
@@ -133,10 +162,10 @@ def available_memory() -> int | None:
 
 
 def copy_fits(asked: str | None, copy_bytes: int, available: int | None) -> tuple[bool, str | None]:
-    """Whether float weights' decode steps may take the op, whose bf16 copy (`copy_bytes`) is a second copy of the
-    weights beside the plugin's: under auto only while it takes at most half the memory `available`, so that a model
-    whose one bf16 copy fits this machine is not pushed out of it by the second (decode_matmul=kvexport takes it
-    anyway). Returns (fits, why not)."""
+    """Whether float weights' decode steps may take the op where prompts keep the plugin's matmuls (choose_rows): its
+    bf16 copy (`copy_bytes`) is then a second copy of the weights beside the plugin's: under auto only while it takes
+    at most half the memory `available`, so that a model whose one bf16 copy fits this machine is not pushed out of
+    it by the second (decode_matmul=kvexport takes it anyway). Returns (fits, why not)."""
     if (asked or "auto") != "auto" or available is None or 2 * copy_bytes <= available:
         return True, None
     gib = 2 ** 30
@@ -214,12 +243,22 @@ def float_weight(matmul: Any) -> tuple[Any, int, int] | None:
     return w, n, k
 
 
-def to_qgemv(model: Any, lib: Path, floats: bool = False) -> int:
+def _copy_key(w: Any, n: int, k: int) -> tuple[Any, ...]:
+    """What tells an f32 weight of one form of an engine from another's: its name, shape and a strided sample of its
+    values (two forms read from one IR name a weight alike; a projection cut in one form and not in the other
+    differs in shape or values)."""
+    values = w.get_data().reshape(-1)
+    sample = values[:: max(1, values.size // 4096)]
+    return w.get_friendly_name(), n, k, hashlib.sha256(np.ascontiguousarray(sample).tobytes()).hexdigest()
+
+
+def to_qgemv(model: Any, lib: Path, floats: bool = False, copies: dict[tuple[Any, ...], Any] | None = None) -> int:
     """Replace every MatMul over a compressed weight the op takes (compressed_weight), and with `floats` (an fp32/bf16
     engine run at bf16 activations) every one over an f32 weight (float_weight: the op then reads a bf16 copy the
     library rounds, the only copy this form holds), by kvexport's QGemv over the same constants' bytes, in place;
     returns how many were replaced. Without `floats` an f32 weight keeps the plugin's matmul (a compressed engine's
-    uncompressed layer, or any run at f32 activations, stays exact)."""
+    uncompressed layer, or any run at f32 activations, stays exact). `copies` (a session's) keeps each bf16 copy
+    made, so that a second form of the same engine reads the first's instead of making its own."""
     import openvino as ov
     from openvino.utils.node_factory import NodeFactory
 
@@ -235,7 +274,13 @@ def to_qgemv(model: Any, lib: Path, floats: bool = False) -> int:
             if unused is None:  # bf16 reads neither zero points nor scales
                 unused = (ov.op.Constant(np.zeros(1, np.uint8)).output(0),
                           ov.op.Constant(np.ones(1, np.float32)).output(0))
-            copy = ov.op.Constant(to_bf16(lib, w.get_data()), shared_memory=True)
+            key = _copy_key(w, n, k)
+            tensor = None if copies is None else copies.get(key)
+            if tensor is None:
+                tensor = to_bf16(lib, w.get_data())
+                if copies is not None:
+                    copies[key] = tensor
+            copy = ov.op.Constant(tensor, shared_memory=True)
             op = factory.create(OP_TYPE, [matmul.input_value(0), copy.output(0), *unused],
                                 {"n": n, "k": k, "group": k, "bits": 16, "flip": 0})
             op.set_friendly_name(matmul.get_friendly_name())

@@ -126,8 +126,13 @@ class IntelSession(Session):
         self.prompt_split = "none"
         self._prompt_form: tuple[Any, str | None] | None = None  # (compiled prompt form or None, why not)
         # the load option decode_matmul, as open_session resolved it: kvexport's QGemv library where the decode
-        # form's compressed matmuls take it (kvexport_intel.gemv; prompts then run a second form), else None
+        # form's compressed matmuls take it (kvexport_intel.gemv; prompts then run a second form unless gemv_rows),
+        # else None
         self.decode_gemv: Path | None = None
+        # set by open_session: whether that op also takes the steps of more rows (AMX-BF16 over its bf16 copies:
+        # kvexport_intel.gemv.choose_rows), so that one paged form runs every step; and the copies its forms share
+        self.gemv_rows = False
+        self._bf16_copies: dict[tuple[Any, ...], Any] = {}
         # set by open_session: the same engine compiled at f32 activations with a given cache precision
         self.cache_twin: Callable[[str], IntelSession] | None = None
 
@@ -198,14 +203,18 @@ class IntelSession(Session):
         """The paged form that prompts run where prompt_split differs from paged_split (compiled once per session,
         after paged_model), else None: prompts run the decode form. Also None where it does not compile (why in
         facts["prompt_form"]): the decode form then takes the prompts."""
-        if self.prompt_split == self.paged_split and self.decode_gemv is None:
+        rows_too = self.decode_gemv is not None and self.gemv_rows  # the op takes every step
+        if self.prompt_split == self.paged_split and (self.decode_gemv is None or rows_too):
+            if rows_too:
+                self.facts["prompt_form"] = "the decode form's: kvexport's QGemv takes steps of any rows"
             return None
         with self._lock:
             if self._prompt_form is None:
-                self._prompt_form = self._compile_paged(self.compile_config, self.prompt_split)
+                self._prompt_form = self._compile_paged(self.compile_config, self.prompt_split,
+                                                        self.decode_gemv if rows_too else None)
                 why = self._prompt_form[1]
                 kind = ("the plugin's matmuls (decode steps take kvexport's)" if self.decode_gemv is not None
-                        else f"projections cut: {self.prompt_split}")
+                        and not rows_too else f"projections cut: {self.prompt_split}")
                 self.facts["prompt_form"] = (f"prompts through a second paged form, {kind}" if why is None
                                              else f"the decode form's: {why}")
             return self._prompt_form[0]
@@ -216,7 +225,7 @@ class IntelSession(Session):
 
         return PagedRows(compiled, rows=rows, max_seq=max_seq, num_layers=self.num_layers, vocab_size=self.vocab_size,
                          prompt_compiled=self.prompt_form(),
-                         decode_rows_max=GEMV_ROWS if self.decode_gemv is not None else None)
+                         decode_rows_max=GEMV_ROWS if self.decode_gemv is not None and not self.gemv_rows else None)
 
     def _compile_paged(self, config: dict[str, Any], split: str, gemv: Path | None = None) -> tuple[Any, str | None]:
         """A paged form of the engine (to_paged) with `split`'s projections cut, its attention kvexport's i8 op where
@@ -243,13 +252,17 @@ class IntelSession(Session):
             self.facts["paged_attention"] = f"kvexport's Int8PagedAttention over int8 blocks ({swapped} layers)"
             self.facts["i8_kernels"] = kernels(lib, self.head_dim)
         if why is None and gemv is not None:
-            from kvexport_intel.gemv import bf16_copies, kernel, to_qgemv
+            from kvexport_intel.gemv import GEMV_ROWS, bf16_copies, kernel, to_qgemv
 
             core.add_extension(str(gemv))
             # float weights take the op only under bf16 activations (an engine's f32 twin keeps them exact)
             floats = bf16_copies(self.facts.get("weights"), self.facts.get("precision"))
-            self.facts["decode_matmuls"] = (f"{to_qgemv(model, gemv, floats)} through kvexport's QGemv "
-                                            f"({kernel(gemv, floats)}{', bf16 copies of the f32 weights' if floats else ''})")
+            how = kernel(gemv, floats)
+            if floats and self.gemv_rows:
+                how += f"; AMX-BF16 for steps of more than {GEMV_ROWS} rows"
+            replaced = to_qgemv(model, gemv, floats, self._bf16_copies)
+            self.facts["decode_matmuls"] = (f"{replaced} through kvexport's QGemv "
+                                            f"({how}{', bf16 copies of the f32 weights' if floats else ''})")
         if why is None:
             try:
                 compiled = core.compile_model(model, "CPU", config)

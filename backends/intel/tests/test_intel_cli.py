@@ -76,6 +76,9 @@ def test_doctor_shows_amx_numa_and_the_precision_it_would_pick() -> None:
                                            "openvino: this CPU lacks AVX512-BF16, which kvexport's decode matmul is "
                                            "written for: the plugin's matmuls (decode_matmul=kvexport runs its "
                                            "portable loops)")
+    amx = bf16 and {"amx_tile", "amx_bf16"} <= flags  # and their prompts: the same op's AMX-BF16 tiles
+    assert intel["prompt_matmul_bf16"].startswith("kvexport: kvexport's QGemv (AMX-BF16)" if amx else
+                                                  "openvino: the plugin's matmuls"), intel["prompt_matmul_bf16"]
 
 
 @pytest.mark.parametrize(("extra", "match"), [

@@ -123,6 +123,37 @@ def test_op_bf16_matches_its_arithmetic(op_lib: Path, n: int, k: int, rows: int)
     assert np.abs(y - x.astype(np.float64) @ w.T.astype(np.float64)).max() > 1e-4  # bf16 really was read
 
 
+def _cpu_has_amx() -> bool:
+    from kvexport_intel.isa import read_cpu_flags
+
+    return {"amx_tile", "amx_bf16"} <= read_cpu_flags()
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [
+    (3, 64, 64),  # the fewest rows the tiles take: one 32-row pass block, 29 of its rows zero
+    (32, 100, 2080),  # up to 32 rows: weight tiles read in place; 4 weight rows past the tiles'
+    (37, 70, 96),  # rows off every tile multiple, weight rows past the last 32-row block (the row kernel's)
+    (70, 96, 2048),
+    (2100, 40, 4096),  # two passes over the weights (16 MiB of packed rows a pass at K 4096: 2048 rows)
+    (45, 288, 2080),  # two chunks of K (2048, 32) and blocks of 4 and 1 pairs of weight tiles on each thread
+    (17, 33, 200),  # K not a multiple of 32: the row kernel throughout
+])
+def test_op_bf16_rows_match_their_arithmetic(op_lib: Path, rows: int, n: int, k: int) -> None:
+    """Steps of several rows over bf16 weights (prompts): through AMX-BF16 tiles where the CPU has them (the library
+    says which), the same bf16 matmul as a row at a time: activations rounded to bf16, products summed in f32."""
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    wb = _bf16(w)
+    y = _run_op(op_lib, x, wb.reshape(-1).view(np.uint8), np.zeros(1, np.uint8), np.ones(1, np.float32), n=n, k=k,
+                group=k, bits=16)
+    want = _from_bf16(_bf16(x)).astype(np.float64) @ _from_bf16(wb).astype(np.float64).T
+    assert y.shape == (rows, n) and np.isfinite(y).all()
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=2e-5 * np.abs(want).max())
+    assert gemv.rows_kernel(op_lib) == ("AMX-BF16" if _cpu_has_amx() and os.environ.get(
+        "KVEXPORT_QGEMV_PORTABLE") != "1" else "")
+
+
 def test_op_library_rounds_f32_to_bf16_to_nearest_even(op_lib: Path) -> None:
     """kvexport_qgemv_bf16, the copy of an f32 weight bits 16 read: ties to even, NaN kept, infinities kept."""
     rng = np.random.default_rng(3)
@@ -225,6 +256,47 @@ def test_a_bf16_copy_is_made_only_where_it_fits_twice_in_the_memory_available() 
     assert gemv.copy_fits("kvexport", 16 * gib, 4 * gib) == (True, None)  # asked for: made anyway
     assert gemv.copy_fits(None, 16 * gib, None) == (True, None)  # no /proc/meminfo: nothing to judge by
     assert gemv.available_memory() is None or gemv.available_memory() > 0
+
+
+def test_prompts_take_the_op_where_it_has_amx_tiles(op_lib: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """choose_rows: steps of more than GEMV_ROWS rows over the bf16 copies take the op where its library has AMX-BF16
+    (auto and kvexport); elsewhere auto keeps the plugin's second form and kvexport says what to do instead."""
+    amx = gemv.rows_kernel(op_lib) == "AMX-BF16"
+    assert amx == (_cpu_has_amx() and os.environ.get("KVEXPORT_QGEMV_PORTABLE") != "1")
+    use, why = gemv.choose_rows(None, op_lib)
+    assert use == amx and (why.startswith("kvexport's QGemv (AMX-BF16)") if amx else "does not lend" in why)
+    assert gemv.choose_rows("openvino", op_lib)[0] is False
+    monkeypatch.setattr(gemv, "rows_kernel", lambda lib: "")  # a library without the tiles
+    use, why = gemv.choose_rows("auto", op_lib)
+    assert not use and why.endswith("a second paged form with the plugin's matmuls")
+    with pytest.raises(BackendUnavailableError, match="prompt_matmul=auto or openvino"):
+        gemv.choose_rows("kvexport", op_lib)
+    with pytest.raises(InputError, match="prompt_matmul must be one of"):
+        gemv.choose_rows("amx", op_lib)
+
+
+def test_two_forms_share_one_bf16_copy_of_a_weight(op_lib: Path) -> None:
+    """to_qgemv with a session's `copies`: a second form read from the same IR reads the first form's bf16 copy of
+    each weight; a weight of another shape or other values gets its own."""
+    import openvino as ov
+    import openvino.opset13 as opset
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+
+    def form(weight: np.ndarray) -> ov.Model:
+        x = opset.parameter([1, -1, 32], ov.Type.f32, name="x")
+        const = opset.constant(weight)
+        const.set_friendly_name("w")
+        return ov.Model([opset.matmul(x, const, False, True)], [x])
+
+    copies: dict = {}
+    models = [form(w), form(w), form(w + 1), form(w[:32])]
+    assert [gemv.to_qgemv(m, op_lib, floats=True, copies=copies) for m in models] == [1, 1, 1, 1]
+    assert len(copies) == 3  # the first two forms share one
+    data = [next(op for op in m.get_ops() if op.get_type_name() == gemv.OP_TYPE).input_value(1).get_node()
+            .get_data().ctypes.data for m in models]
+    assert data[0] == data[1] and len(set(data)) == 3
 
 
 def test_without_a_compiler_auto_keeps_the_plugins_matmuls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

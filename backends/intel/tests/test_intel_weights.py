@@ -284,10 +284,16 @@ def test_bf16_weights_run_in_bf16_and_pass_their_row(trained: Path, reference: R
     assert engine.session.describe()["precision"] == "bf16"
     report = verify_engine(engine, trained, reference=reference)
     facts = engine.session.facts
-    ours = decode_matmul == "auto" and "avx512_bf16" in isa.read_cpu_flags()
+    flags = isa.read_cpu_flags()
+    ours = decode_matmul == "auto" and "avx512_bf16" in flags
+    amx = ours and {"amx_tile", "amx_bf16"} <= flags  # prompts too, through its AMX-BF16 tiles: one form, one copy
     if ours:  # every matmul of the default model's 4 layers (qkv, o, gate_up, down) and the lm_head
-        assert facts["decode_matmuls"] == (f"{4 * 4 + 1} through kvexport's QGemv (AVX512-BF16, bf16 copies of the "
-                                           "f32 weights)"), facts["decode_matmuls"]
+        rows = "; AMX-BF16 for steps of more than 2 rows" if amx else ""
+        assert facts["decode_matmuls"] == (f"{4 * 4 + 1} through kvexport's QGemv (AVX512-BF16{rows}, bf16 copies of "
+                                           "the f32 weights)"), facts["decode_matmuls"]
+        assert facts["prompt_form"].startswith("the decode form's: kvexport's QGemv" if amx else
+                                               "prompts through a second paged form, the plugin's matmuls")
+        assert (engine.session.prompt_form() is None) == amx
     else:
         assert "decode_matmuls" not in facts
     print(f"intel bf16 on this CPU (decode_matmul={decode_matmul}): {report.text}")
@@ -308,17 +314,33 @@ def test_bf16_weights_run_in_bf16_and_pass_their_row(trained: Path, reference: R
                     reason="bf16 decode steps take kvexport's QGemv by default only where the CPU has AVX512-BF16")
 def test_bf16_engines_keep_one_copy_where_a_second_would_not_fit(builds: _Builds,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The load judges the bf16 copy against the memory available (here made to look small): auto keeps the
-    plugin's matmuls and says why; decode_matmul=kvexport makes the copy anyway."""
+    """Where prompts keep the plugin's matmuls (prompt_matmul=openvino, and auto without AMX-BF16), the load judges
+    the decode steps' bf16 copy, a second one, against the memory available (here made to look small): auto keeps
+    the plugin's matmuls and says why; decode_matmul=kvexport makes the copy anyway. Where the op takes prompts too
+    (AMX-BF16), its copy is the only one and is made whatever the memory."""
     from kvexport_intel import gemv
 
     monkeypatch.setattr(gemv, "available_memory", lambda: 1024)
-    engine = kvexport.load(str(builds["bf16"]))
+    engine = kvexport.load(str(builds["bf16"]), prompt_matmul="openvino")
     assert "would take more than half of the memory available" in engine.session.facts["decode_matmul"]
     assert engine.session.decode_gemv is None and "decode_matmuls" not in engine.session.facts
-    asked = kvexport.load(str(builds["bf16"]), decode_matmul="kvexport")
+    asked = kvexport.load(str(builds["bf16"]), decode_matmul="kvexport", prompt_matmul="openvino")
     asked.generate([5, 6, 7], max_new_tokens=2)
     assert asked.session.facts["decode_matmuls"].startswith("17 through kvexport's QGemv")
+    auto = kvexport.load(str(builds["bf16"]))
+    amx = {"amx_tile", "amx_bf16"} <= isa.read_cpu_flags()
+    assert (auto.session.decode_gemv is not None) == amx, auto.session.facts["decode_matmul"]
+    assert auto.session.facts["prompt_matmul"].startswith("kvexport's QGemv (AMX-BF16)" if amx else
+                                                          "kvexport's prompt matmul is written for AMX-BF16")
+
+
+def test_prompt_matmul_kvexport_is_refused_where_no_bf16_copies_exist(builds: _Builds) -> None:
+    """prompt_matmul=kvexport reads the decode steps' bf16 copies: an engine without them (f32 activations, or
+    decode_matmul=openvino) says so at load."""
+    with pytest.raises(InputError, match="prompt_matmul=kvexport reads the bf16 copies"):
+        kvexport.load(str(builds["bf16"]), precision="fp32", prompt_matmul="kvexport")
+    with pytest.raises(InputError, match="load without prompt_matmul"):
+        kvexport.load(str(builds["bf16"]), decode_matmul="openvino", prompt_matmul="kvexport")
 
 
 def _weight_tensors(artifact: Path) -> dict[str, np.ndarray]:

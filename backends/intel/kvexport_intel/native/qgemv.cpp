@@ -19,7 +19,9 @@
 // the activations laid out to match (ActRow), so that a 32-bit lane sums 4 products of the same 32-block.
 //
 // bf16: the activations are rounded to bf16 (as the plugin's FullyConnected does under a bf16 inference precision)
-// and meet the weights in AVX512-BF16 dpbf16ps, 32 products a 64-byte load summed into f32 lanes.
+// and meet the weights in AVX512-BF16 dpbf16ps, 32 products a 64-byte load summed into f32 lanes. Steps of more
+// than a few rows (prompts) take AMX-BF16 tiles where the CPU has them (amx_rows): the same bf16 copy serves both,
+// so that an engine whose prompts run this op holds no other copy of the weights.
 //
 // Rows are split over OpenVINO's threads (tbb::parallel_for in the plugin's arena); every row of X meets a block of
 // ROWS weight rows while they are in cache, so a few rows of X read the weights once.
@@ -34,6 +36,8 @@
 #include <vector>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <openvino/core/extension.hpp>
 #include <openvino/core/op_extension.hpp>
@@ -67,6 +71,20 @@ constexpr int64_t PF16 = 2048;
 #define QGEMV_BF16 0
 #define QGEMV_BF16_KERNEL "portable"
 #endif
+#if QGEMV_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define QGEMV_AMX 1
+#define QGEMV_ROWS_KERNEL "AMX-BF16"
+#else
+#define QGEMV_AMX 0
+#endif
+// rows of X from which a bf16 step takes AMX tiles instead of a dpbf16ps row at a time: GEMV_ROWS + 1 in
+// kvexport_intel.gemv (steps of up to 2 rows are paced by the weights' stream alike, and the row kernel reads it
+// fastest; from 3 rows each row's dot products of its own cost more than a tile's 16 rows)
+constexpr int64_t AMX_ROWS = 3;
+// bytes of X, as packed bf16 tiles, a pass over the weights takes: longer prompts read the weights once a pass
+constexpr int64_t AMX_PASS_BYTES = 16 << 20;
+constexpr int64_t AMX_NB = 128;   // weight rows a block (4 pairs of tiles)
+constexpr int64_t AMX_KC = 2048;  // values of K a chunk: a block's chunk, 512 KB of bf16, stays in L2
 
 // f32 -> bf16, rounded to nearest even (a NaN stays a NaN)
 inline uint16_t to_bf16(float f) {
@@ -378,6 +396,228 @@ float row_bf16(const Weights& W, const ActRow& a, int64_t n) {
 }
 #endif
 
+#if QGEMV_AMX
+// AMX-BF16 (prompts): C^T = W X^T a 32 x 32 block at a time, in 4 accumulator tiles (0-3) from 2 tiles of weights
+// (4, 5: 16 rows of W x 32 values, row-major as the decode steps read them) and 2 of activations (6, 7: 16 rows of
+// X x 32 values, packed as the instruction's second operand wants: value pairs of a row side by side, rows along
+// the tile's 64 bytes). The accumulators come out transposed (16 rows of W x 16 of X) and are turned into rows of Y
+// in registers. Up to 32 rows of X, each weight tile meets X once and is read where W keeps it, its rows' streams
+// prefetched; more rows, and a block of W (AMX_NB rows x AMX_KC values) is copied tile by tile into a buffer that
+// stays in L2 (a tile read from W itself takes 16 lines 2K or more bytes apart, all in one L1 set) and meets every
+// pair of X's tiles. On the 2-core AMX Xeon, one matmul of 512 rows: K 2048 x N 8192 or 16384, and K 8192 x N 2048,
+// 1.06-1.07x the plugin's bf16 FullyConnected (paired, one process); bench-1b's prompts docs/performance.md.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux lends a process AMX's tile registers only once it asks (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); the
+// plugin's own AMX kernels ask too. False where the kernel refuses: the rows then take dpbf16ps.
+bool amx_granted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int i = 0; i < 4; i++) {
+    r[4 * i] = lo(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = hi(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = lo(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = hi(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
+  }
+}
+
+// Rows [m0, m0 + 16) of X (f32, rows past M zero) as bf16 tiles, one a 32 values of K: tile kb's row p holds the
+// pairs (x[m][32 kb + 2p], x[m][32 kb + 2p + 1]) of its 16 rows m, side by side.
+void pack_rows(const float* x, int64_t M, int64_t K, int64_t m0, uint16_t* out) {
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out);
+  alignas(64) uint32_t pairs[16];
+  for (int64_t kb = 0; kb < K / 32; kb++, dst += 256)
+    for (int64_t i = 0; i < 16; i++) {
+      if (m0 + i < M) {
+        const float* row = x + (m0 + i) * K + kb * 32;
+        _mm512_store_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row)));
+      } else {
+        std::memset(pairs, 0, sizeof pairs);
+      }
+      for (int64_t p = 0; p < 16; p++) dst[p * 16 + i] = pairs[p];
+    }
+}
+
+// An accumulator tile (16 rows of W from n x 16 rows of X from m), turned into rows of Y (those below M).
+inline void store_tile(const float* acc, int64_t n, int64_t m, int64_t M, int64_t N, float* y) {
+  if (m >= M) return;
+  __m512 r[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(acc + i * 16);
+  transpose16(r);
+  for (int64_t j = 0; j < std::min<int64_t>(16, M - m); j++) _mm512_storeu_ps(y + (m + j) * N + n, r[j]);
+}
+
+// A 64-byte aligned pointer into `v`, grown to hold n values (a thread's scratch, kept between steps: a fresh one
+// a step would be zeroed and faulted in).
+template <typename T>
+T* scratch(std::vector<T>& v, int64_t n) {
+  if ((int64_t)v.size() < n + 64) v.resize(n + 64);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
+
+// Y[m, n] for rows m < M of a pass (xp: its rows packed, mp of them, a multiple of 32) and the weight rows [n0, n1)
+// (multiples of 32) of bf16 W [N, K], in blocks of AMX_NB rows and chunks of AMX_KC values of K: a block's chunk
+// is copied into `panel` (AMX_NB x AMX_KC values) and meets every pair of X's tiles, each pair once for the block's
+// (up to 4) pairs of weight tiles, so that X's packed rows are read from beyond L2 once a block rather than once
+// a 32 rows; sums over K longer than a chunk wait in `part` (f32, AMX_NB x mp) between chunks. The caller has
+// loaded the tile configuration.
+void amx_blocks(const uint16_t* W, int64_t K, int64_t N, const uint16_t* xp, int64_t M, int64_t mp, float* y,
+                int64_t n0, int64_t n1, uint16_t* panel, float* part) {
+  const int64_t KB = K / 32, mpairs = mp / 32;
+  alignas(64) float acc[4][256];
+  if (mpairs == 1) {  // at most 32 rows: each weight tile meets X once, so it is read where W keeps it
+    const uint16_t* x0 = xp;
+    const uint16_t* x1 = x0 + KB * 512;
+    const int64_t stride = K * 2;
+    for (int64_t nb = n0; nb < n1; nb += 32) {
+      const uint16_t* w0 = W + nb * K;
+      const uint16_t* w1 = w0 + 16 * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < KB; kb++) {
+        for (int r = 0; r < 32; r++)  // each of the 32 rows' streams, PF16 bytes ahead
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + r * K + kb * 32) + PF16, _MM_HINT_T0);
+        _tile_loadd(4, w0 + kb * 32, stride);
+        _tile_loadd(5, w1 + kb * 32, stride);
+        _tile_loadd(6, x0 + kb * 512, 64);
+        _tile_loadd(7, x1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, acc[0], 64);
+      _tile_stored(1, acc[1], 64);
+      _tile_stored(2, acc[2], 64);
+      _tile_stored(3, acc[3], 64);
+      for (int q = 0; q < 4; q++) store_tile(acc[q], nb + (q >> 1) * 16, (q & 1) * 16, M, N, y);
+    }
+    return;
+  }
+  for (int64_t nb = n0; nb < n1; nb += AMX_NB) {
+    const int64_t pairs = std::min(AMX_NB, n1 - nb) / 32;
+    for (int64_t k0 = 0; k0 < K; k0 += AMX_KC) {
+      const int64_t kc = std::min(AMX_KC, K - k0) / 32;  // tiles of the chunk
+      const bool first = k0 == 0, last = k0 + AMX_KC >= K;
+      // the block's rows are one run of memory, read in order (prefetched as the row kernel's) into tiles: pair
+      // p's tile kb of rows 0-15, then of rows 16-31
+      for (int64_t r = 0; r < pairs * 32; r++) {
+        const uint16_t* w = W + (nb + r) * K + k0;
+        uint16_t* to = panel + (r / 32) * kc * 1024 + (r % 32) * 32;
+        for (int64_t kb = 0; kb < kc; kb++) {
+          _mm_prefetch(reinterpret_cast<const char*>(w + kb * 32) + PF16, _MM_HINT_T0);
+          _mm512_store_si512(to + kb * 1024, _mm512_loadu_si512(w + kb * 32));
+        }
+      }
+      for (int64_t mq = 0; mq < mpairs; mq++) {
+        const uint16_t* x0 = xp + (2 * mq * KB + k0 / 32) * 512;
+        const uint16_t* x1 = x0 + KB * 512;
+        for (int64_t p = 0; p < pairs; p++) {
+          float* kept = part + (p * mpairs + mq) * 1024;
+          if (first) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {
+            _tile_loadd(0, kept, 64);
+            _tile_loadd(1, kept + 256, 64);
+            _tile_loadd(2, kept + 512, 64);
+            _tile_loadd(3, kept + 768, 64);
+          }
+          const uint16_t* a = panel + p * kc * 1024;
+          for (int64_t kb = 0; kb < kc; kb++) {
+            _tile_loadd(4, a + kb * 1024, 64);
+            _tile_loadd(5, a + kb * 1024 + 512, 64);
+            _tile_loadd(6, x0 + kb * 512, 64);
+            _tile_loadd(7, x1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          if (!last) {
+            _tile_stored(0, kept, 64);
+            _tile_stored(1, kept + 256, 64);
+            _tile_stored(2, kept + 512, 64);
+            _tile_stored(3, kept + 768, 64);
+            continue;
+          }
+          _tile_stored(0, acc[0], 64);
+          _tile_stored(1, acc[1], 64);
+          _tile_stored(2, acc[2], 64);
+          _tile_stored(3, acc[3], 64);
+          for (int q = 0; q < 4; q++) store_tile(acc[q], nb + p * 32 + (q >> 1) * 16, mq * 32 + (q & 1) * 16, M, N, y);
+        }
+      }
+    }
+  }
+}
+
+// Y = X W^T over bf16 W through AMX tiles, for K a multiple of 32 and N's 32-row blocks (the rows past them are
+// the caller's): X's rows in passes of AMX_PASS_BYTES once packed, each pass's blocks split over the threads.
+void amx_rows(const uint16_t* W, int64_t K, int64_t N, const float* x, int64_t M, float* y) {
+  const int64_t pass = std::max<int64_t>(32, AMX_PASS_BYTES / (K * 2) / 32 * 32), blocks = N / 32;
+  thread_local std::vector<uint16_t> packed;
+  uint16_t* xp = scratch(packed, std::min(pass, (M + 31) / 32 * 32) * K);
+  const int64_t pieces = std::max(1, tbb::this_task_arena::max_concurrency());
+  for (int64_t m0 = 0; m0 < M; m0 += pass) {
+    const int64_t rows = std::min(pass, M - m0), mp = (rows + 31) / 32 * 32;
+    tbb::parallel_for(int64_t(0), mp / 16, [&](int64_t mb) {
+      pack_rows(x + m0 * K, rows, K, mb * 16, xp + mb * 16 * K);
+    });
+    tbb::parallel_for(int64_t(0), pieces, [&](int64_t t) {
+      thread_local std::vector<uint16_t> panels;
+      thread_local std::vector<float> parts;
+      uint16_t* panel = scratch(panels, AMX_NB * std::min(AMX_KC, K));
+      float* part = K > AMX_KC ? scratch(parts, AMX_NB * mp) : nullptr;
+      TileConfig cfg;
+      for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+      }
+      _tile_loadconfig(&cfg);
+      amx_blocks(W, K, N, xp, rows, mp, y + m0 * N, blocks * t / pieces * 32, blocks * (t + 1) / pieces * 32, panel,
+                 part);
+      _tile_release();
+    }, tbb::simple_partitioner());
+  }
+}
+#endif
+
 class QGemv : public ov::op::Op {
  public:
   OPENVINO_OP("QGemv", "kvexport");
@@ -442,6 +682,14 @@ class QGemv : public ov::op::Op {
                     (uint8_t)(flip_ ? 0x88 : 0)};
     const float* x = xt.data<const float>();
     float* y = outputs[0].data<float>();
+    int64_t n_done = 0;  // rows of W the AMX tiles took
+#if QGEMV_AMX
+    if (bits_ == 16 && M >= AMX_ROWS && K % 32 == 0 && N >= 32 && amx_granted()) {
+      amx_rows(static_cast<const uint16_t*>(inputs[1].data()), K, N, x, M, y);
+      n_done = N / 32 * 32;
+      if (n_done == N) return true;
+    }
+#endif
     std::vector<ActRow> acts(M);
     if (M < 4) {  // a decode step's row or a few: not worth waking the other threads
       for (int64_t m = 0; m < M; m++) quantize(x + m * K, K, group_, (int)bits_, acts[m]);
@@ -450,8 +698,9 @@ class QGemv : public ov::op::Op {
     }
     // one contiguous run of rows a thread: one long stream each, which the prefetchers follow
     const int64_t pieces = std::max(1, tbb::this_task_arena::max_concurrency()) * PIECES;
+    const int64_t rest = N - n_done;
     tbb::parallel_for(int64_t(0), pieces, [&](int64_t t) {
-      const int64_t n0 = N * t / pieces, n1 = N * (t + 1) / pieces;
+      const int64_t n0 = n_done + rest * t / pieces, n1 = n_done + rest * (t + 1) / pieces;
       for (int64_t b = n0; b < n1; b += ROWS)
         for (int64_t m = 0; m < M; m++) rows(W, acts[m], b, std::min(n1, b + ROWS), y + m * N);
     }, tbb::simple_partitioner());
@@ -489,6 +738,14 @@ class QGemv : public ov::op::Op {
 // What the library's kernels compute with, for kvexport_intel.gemv: 4/8-bit weights', bf16 weights'.
 extern "C" const char* kvexport_qgemv_kernel() { return QGEMV_KERNEL; }
 extern "C" const char* kvexport_qgemv_bf16_kernel() { return QGEMV_BF16_KERNEL; }
+// What steps of AMX_ROWS rows or more over bf16 weights take: "AMX-BF16" (compiled for it, and the kernel lends this
+// process the tiles), or "" (the row kernel's dot products).
+extern "C" const char* kvexport_qgemv_bf16_rows_kernel() {
+#if QGEMV_AMX
+  if (amx_granted()) return QGEMV_ROWS_KERNEL;
+#endif
+  return "";
+}
 
 // dst[i] = src[i] rounded to bf16 (nearest even), over n values in runs on the calling process's TBB threads: the
 // copy of an f32 weight that bits 16 read.
