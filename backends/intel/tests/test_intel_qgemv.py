@@ -111,16 +111,21 @@ def _from_bf16(bits: np.ndarray) -> np.ndarray:
 def test_op_bf16_matches_its_arithmetic(op_lib: Path, n: int, k: int, rows: int) -> None:
     """bits 16: bf16 weights (the bytes of the copy kvexport_qgemv_bf16 makes of an f32 weight) against activations
     rounded to bf16, products summed in f32: the bf16 matmul OpenVINO's own runs under a bf16 precision."""
-    rng = np.random.default_rng(11)
+    x, w, y, want = _bf16_op(op_lib, np.random.default_rng(11), rows, n, k)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert np.abs(y - x.astype(np.float64) @ w.T.astype(np.float64)).max() > 1e-4  # bf16 really was read
+
+
+def _bf16_op(op_lib: Path, rng: np.random.Generator, rows: int, n: int, k: int) -> tuple[np.ndarray, ...]:
+    """X (rows, k) and W (n, k) drawn from `rng`, the op's Y over W's bf16 copy, and what it should be in float64:
+    X rounded to bf16 times W's bf16 values."""
     w = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     wb = _bf16(w)
     y = _run_op(op_lib, x, wb.reshape(-1).view(np.uint8), np.zeros(1, np.uint8), np.ones(1, np.float32), n=n, k=k,
                 group=k, bits=16)
-    want = _from_bf16(_bf16(x)).astype(np.float64) @ _from_bf16(wb).astype(np.float64).T
-    assert y.shape == (rows, n)
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    assert np.abs(y - x.astype(np.float64) @ w.T.astype(np.float64)).max() > 1e-4  # bf16 really was read
+    assert y.shape == (rows, n) and np.isfinite(y).all()
+    return x, w, y, _from_bf16(_bf16(x)).astype(np.float64) @ _from_bf16(wb).astype(np.float64).T
 
 
 def _cpu_has_amx() -> bool:
@@ -141,14 +146,7 @@ def _cpu_has_amx() -> bool:
 def test_op_bf16_rows_match_their_arithmetic(op_lib: Path, rows: int, n: int, k: int) -> None:
     """Steps of several rows over bf16 weights (prompts): through AMX-BF16 tiles where the CPU has them (the library
     says which), the same bf16 matmul as a row at a time: activations rounded to bf16, products summed in f32."""
-    rng = np.random.default_rng(rows)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    wb = _bf16(w)
-    y = _run_op(op_lib, x, wb.reshape(-1).view(np.uint8), np.zeros(1, np.uint8), np.ones(1, np.float32), n=n, k=k,
-                group=k, bits=16)
-    want = _from_bf16(_bf16(x)).astype(np.float64) @ _from_bf16(wb).astype(np.float64).T
-    assert y.shape == (rows, n) and np.isfinite(y).all()
+    _, _, y, want = _bf16_op(op_lib, np.random.default_rng(rows), rows, n, k)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=2e-5 * np.abs(want).max())
     assert gemv.rows_kernel(op_lib) == ("AMX-BF16" if _cpu_has_amx() and os.environ.get(
         "KVEXPORT_QGEMV_PORTABLE") != "1" else "")

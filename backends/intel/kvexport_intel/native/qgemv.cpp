@@ -478,6 +478,38 @@ inline void store_tile(const float* acc, int64_t n, int64_t m, int64_t M, int64_
   for (int64_t j = 0; j < std::min<int64_t>(16, M - m); j++) _mm512_storeu_ps(y + (m + j) * N + n, r[j]);
 }
 
+// The 4 accumulator tiles: zeroed, or loaded from / stored to 4 x 256 floats (one tile after the other).
+inline void zero_acc() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+inline void load_acc(const float* from) {
+  _tile_loadd(0, from, 64);
+  _tile_loadd(1, from + 256, 64);
+  _tile_loadd(2, from + 512, 64);
+  _tile_loadd(3, from + 768, 64);
+}
+inline void store_acc(float* to) {
+  _tile_stored(0, to, 64);
+  _tile_stored(1, to + 256, 64);
+  _tile_stored(2, to + 512, 64);
+  _tile_stored(3, to + 768, 64);
+}
+
+// One step of 32 values of K: 2 weight tiles (a0, a1: rows `stride` bytes apart) meet 2 packed tiles of X.
+inline void dot_step(const uint16_t* a0, const uint16_t* a1, int64_t stride, const uint16_t* x0, const uint16_t* x1) {
+  _tile_loadd(4, a0, stride);
+  _tile_loadd(5, a1, stride);
+  _tile_loadd(6, x0, 64);
+  _tile_loadd(7, x1, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 // A 64-byte aligned pointer into `v`, grown to hold n values (a thread's scratch, kept between steps: a fresh one
 // a step would be zeroed and faulted in).
 template <typename T>
@@ -503,26 +535,13 @@ void amx_blocks(const uint16_t* W, int64_t K, int64_t N, const uint16_t* xp, int
     for (int64_t nb = n0; nb < n1; nb += 32) {
       const uint16_t* w0 = W + nb * K;
       const uint16_t* w1 = w0 + 16 * K;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      zero_acc();
       for (int64_t kb = 0; kb < KB; kb++) {
         for (int r = 0; r < 32; r++)  // each of the 32 rows' streams, PF16 bytes ahead
           _mm_prefetch(reinterpret_cast<const char*>(w0 + r * K + kb * 32) + PF16, _MM_HINT_T0);
-        _tile_loadd(4, w0 + kb * 32, stride);
-        _tile_loadd(5, w1 + kb * 32, stride);
-        _tile_loadd(6, x0 + kb * 512, 64);
-        _tile_loadd(7, x1 + kb * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        dot_step(w0 + kb * 32, w1 + kb * 32, stride, x0 + kb * 512, x1 + kb * 512);
       }
-      _tile_stored(0, acc[0], 64);
-      _tile_stored(1, acc[1], 64);
-      _tile_stored(2, acc[2], 64);
-      _tile_stored(3, acc[3], 64);
+      store_acc(acc[0]);
       for (int q = 0; q < 4; q++) store_tile(acc[q], nb + (q >> 1) * 16, (q & 1) * 16, M, N, y);
     }
     return;
@@ -547,39 +566,18 @@ void amx_blocks(const uint16_t* W, int64_t K, int64_t N, const uint16_t* xp, int
         const uint16_t* x1 = x0 + KB * 512;
         for (int64_t p = 0; p < pairs; p++) {
           float* kept = part + (p * mpairs + mq) * 1024;
-          if (first) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-          } else {
-            _tile_loadd(0, kept, 64);
-            _tile_loadd(1, kept + 256, 64);
-            _tile_loadd(2, kept + 512, 64);
-            _tile_loadd(3, kept + 768, 64);
-          }
+          if (first)
+            zero_acc();
+          else
+            load_acc(kept);
           const uint16_t* a = panel + p * kc * 1024;
-          for (int64_t kb = 0; kb < kc; kb++) {
-            _tile_loadd(4, a + kb * 1024, 64);
-            _tile_loadd(5, a + kb * 1024 + 512, 64);
-            _tile_loadd(6, x0 + kb * 512, 64);
-            _tile_loadd(7, x1 + kb * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
+          for (int64_t kb = 0; kb < kc; kb++)
+            dot_step(a + kb * 1024, a + kb * 1024 + 512, 64, x0 + kb * 512, x1 + kb * 512);
           if (!last) {
-            _tile_stored(0, kept, 64);
-            _tile_stored(1, kept + 256, 64);
-            _tile_stored(2, kept + 512, 64);
-            _tile_stored(3, kept + 768, 64);
+            store_acc(kept);
             continue;
           }
-          _tile_stored(0, acc[0], 64);
-          _tile_stored(1, acc[1], 64);
-          _tile_stored(2, acc[2], 64);
-          _tile_stored(3, acc[3], 64);
+          store_acc(acc[0]);
           for (int q = 0; q < 4; q++) store_tile(acc[q], nb + p * 32 + (q >> 1) * 16, mq * 32 + (q & 1) * 16, M, N, y);
         }
       }
