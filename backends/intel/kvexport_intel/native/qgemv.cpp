@@ -23,8 +23,9 @@
 // than a few rows (prompts) take AMX-BF16 tiles where the CPU has them (amx_rows): the same bf16 copy serves both,
 // so that an engine whose prompts run this op holds no other copy of the weights.
 //
-// Rows are split over OpenVINO's threads (tbb::parallel_for in the plugin's arena); every row of X meets a block of
-// ROWS weight rows while they are in cache, so a few rows of X read the weights once.
+// Rows are split over OpenVINO's threads (tbb::parallel_for in the plugin's arena), a few contiguous runs a thread;
+// a decode step's one row of X reads a run of 8-bit rows as two streams (row_pairs); a few rows of X meet a block of
+// ROWS weight rows while they are in cache, so that they read the weights once.
 #include <tbb/parallel_for.h>
 #include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
@@ -252,29 +253,29 @@ inline __m512i dot4(const uint8_t* w, const int8_t* q, int64_t c) {
                              _mm512_loadu_si512(q + c * 128 + 64));
 }
 
-// Row n of 8-bit weights (one group a row) against one activation row: a dpbusd per 64 bytes, its int32 sums scaled
-// per 32-block of activations; the zero point's term once a row (ActRow::total).
-float row_vnni8(const Weights& W, const ActRow& a, int64_t n) {
-  const uint8_t* w = W.w + n * W.K;
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+// R rows of 8-bit weights (one group a row; rows n[0..R), written to y[n[r]]) against one activation row: a dpbusd
+// per 64 bytes, its int32 sums scaled per 32-block of activations; the zero point's term once a row (ActRow::total).
+// R = 2 reads two rows from two places at once, two sequential streams (row_pairs): on the Zen 4 (2 cores) one
+// stream a thread read at 19 GB/s a core, and bench-1b's 8-bit matmuls took 1.08-1.12x as long with one as with two
+// (the two forms in one process, docs/performance.md); 4-bit and bf16 rows gained nothing from it there (0.82x, 1.01x).
+template <int R>
+void rows_vnni8(const Weights& W, const ActRow& a, const int64_t* n, float* y) {
+  const uint8_t* w[R];
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) w[r] = W.w + n[r] * W.K, acc[r] = _mm512_setzero_ps();
   const int64_t chunks = W.K / 64;
-  int64_t c = 0;
-  for (; c + 1 < chunks; c += 2) {
-    _mm_prefetch((const char*)(w + c * 64 + PF), _MM_HINT_T0);
-    _mm_prefetch((const char*)(w + c * 64 + 64 + PF), _MM_HINT_T0);
-    const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w + c * 64),
-                                           _mm512_loadu_si512(a.q.data() + c * 64));
-    const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w + c * 64 + 64),
-                                           _mm512_loadu_si512(a.q.data() + c * 64 + 64));
-    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_loadu_ps(a.sa.data() + c * 16), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_loadu_ps(a.sa.data() + c * 16 + 16), acc1);
+  const int8_t* q = a.q.data();
+  const float* sa = a.sa.data();
+  for (int64_t c = 0; c < chunks; c++) {  // the activations' chunk loaded once for the R rows
+    const __m512i qc = _mm512_loadu_si512(q + c * 64);
+    const __m512 sc = _mm512_loadu_ps(sa + c * 16);
+    for (int r = 0; r < R; r++) {
+      _mm_prefetch((const char*)(w[r] + c * 64 + PF), _MM_HINT_T0);
+      const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w[r] + c * 64), qc);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[r]);
+    }
   }
-  for (; c < chunks; c++) {
-    const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w + c * 64),
-                                           _mm512_loadu_si512(a.q.data() + c * 64));
-    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_loadu_ps(a.sa.data() + c * 16), acc0);
-  }
-  return W.s(n) * (_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) - (float)W.z(n) * a.total);
+  for (int r = 0; r < R; r++) y[n[r]] = W.s(n[r]) * (_mm512_reduce_add_ps(acc[r]) - (float)W.z(n[r]) * a.total);
 }
 
 // Row n of 4-bit weights against one activation row. Per 64 bytes (128 values): two dpbusd, their int32 sums
@@ -694,11 +695,12 @@ class QGemv : public ov::op::Op {
     } else {
       tbb::parallel_for(int64_t(0), M, [&](int64_t m) { quantize(x + m * K, K, group_, (int)bits_, acts[m]); });
     }
-    // one contiguous run of rows a thread: one long stream each, which the prefetchers follow
+    // contiguous runs of rows, a few a thread: long sequential streams, which the prefetchers follow
     const int64_t pieces = std::max(1, tbb::this_task_arena::max_concurrency()) * PIECES;
     const int64_t rest = N - n_done;
     tbb::parallel_for(int64_t(0), pieces, [&](int64_t t) {
       const int64_t n0 = n_done + rest * t / pieces, n1 = n_done + rest * (t + 1) / pieces;
+      if (M == 1) return row_pairs(W, acts[0], n0, n1, y);
       for (int64_t b = n0; b < n1; b += ROWS)
         for (int64_t m = 0; m < M; m++) rows(W, acts[m], b, std::min(n1, b + ROWS), y + m * N);
     }, tbb::simple_partitioner());
@@ -714,9 +716,12 @@ class QGemv : public ov::op::Op {
     }
 #endif
 #if QGEMV_VNNI
+    if (W.bits == 8) {
+      for (; n < n1; n++) rows_vnni8<1>(W, a, &n, y);
+      return;
+    }
     float (*row)(const Weights&, const ActRow&, int64_t) =
         W.bits == 16  ? row_portable
-        : W.bits == 8 ? row_vnni8
         : W.flip      ? (W.group == 32 ? row_vnni4_small<32, true> : W.group == 64 ? row_vnni4_small<64, true>
                                                                                    : row_vnni4<true>)
         : W.group == 32 ? row_vnni4_small<32, false>
@@ -726,6 +731,22 @@ class QGemv : public ov::op::Op {
 #else
     for (; n < n1; n++) y[n] = row_portable(W, a, n);
 #endif
+  }
+
+  // Rows [n0, n1) of 8-bit weights against a decode step's one activation row, two at a time: row n0 + i with row
+  // n0 + half + i, two sequential streams (rows_vnni8); other weights a row at a time.
+  static void row_pairs(const Weights& W, const ActRow& a, int64_t n0, int64_t n1, float* y) {
+#if QGEMV_VNNI
+    if (W.bits == 8) {
+      const int64_t half = (n1 - n0) / 2;
+      for (int64_t i = 0; i < half; i++) {
+        const int64_t n[2] = {n0 + i, n0 + half + i};
+        rows_vnni8<2>(W, a, n, y);
+      }
+      return rows(W, a, n0 + 2 * half, n1, y);
+    }
+#endif
+    rows(W, a, n0, n1, y);
   }
 
   int64_t n_ = 0, k_ = 0, group_ = 0, bits_ = 4, flip_ = 0;
